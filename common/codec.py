@@ -1,0 +1,205 @@
+"""The one wire codec: msgpack header frame, then raw tensor frames.
+
+Sending hands tensor memory to ZeroMQ without a copy; receiving reads the
+header first, checks every announced size against the limits, and only then
+receives each tensor frame straight into a freshly allocated tensor
+(`recv_into`), so a hostile header cannot make us allocate 100 GB and a
+truncated or oversized frame is detected, drained and reported.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+import zmq
+from pydantic import ValidationError
+
+from common.errors import ProtocolError
+from common.messages import PROTOCOL_VERSION, Message, message_adapter
+
+__all__ = ["DTYPES", "Envelope", "Limits", "encode", "recv_message", "send_message"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_IDS = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what a receiver accepts."""
+
+    max_header_bytes: int = 1 << 20
+    max_tensor_bytes: int = 1 << 30
+    max_tensors: int = 16
+    max_dims: int = 8
+
+
+@dataclass
+class Envelope:
+    """A decoded message with its envelope fields and tensors."""
+
+    msg: Message
+    sender: str
+    msg_id: int
+    sent_at: float
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """Bytes of a contiguous CPU tensor as a memoryview, without a copy."""
+    flat = t.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def encode(msg: Message, sender: str, tensors: Sequence[torch.Tensor] = ()) -> list[Any]:
+    """Frames for one message: the msgpack header, then one raw frame per tensor."""
+    metas = []
+    bufs = []
+    for t in tensors:
+        if t.dtype not in _NAMES:
+            raise ProtocolError(f"cannot send dtype {t.dtype}", sender)
+        buf = _raw(t)
+        metas.append([_NAMES[t.dtype], list(t.shape), buf.nbytes])
+        bufs.append(buf)
+    header = {
+        "v": PROTOCOL_VERSION,
+        "sender": sender,
+        "id": next(_IDS),
+        "t": time.time(),
+        "msg": msg.model_dump(mode="json"),
+        "tensors": metas,
+    }
+    return [msgpack.packb(header, use_bin_type=True), *bufs]
+
+
+def send_message(
+    sock: zmq.Socket[Any],
+    msg: Message,
+    sender: str,
+    tensors: Sequence[torch.Tensor] = (),
+    route: bytes | None = None,
+) -> None:
+    """Send one message; tensors go zero-copy (the tensor must not change until sent)."""
+    frames = encode(msg, sender, tensors)
+    if route is not None:
+        frames.insert(0, route)
+    sock.send_multipart(frames, copy=False)
+
+
+def _drain(sock: zmq.Socket[Any]) -> None:
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv_into(bytearray())
+
+
+def _parse_header(raw: bytes, peer: str, limits: Limits) -> tuple[dict[str, Any], Message]:
+    if len(raw) > limits.max_header_bytes:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds {limits.max_header_bytes}", peer)
+    try:
+        header = msgpack.unpackb(raw, raw=False, use_list=True, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"undecodable header ({type(exc).__name__}: {exc})", peer) from exc
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header is a {type(header).__name__}, not a map", peer)
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} not supported (this side speaks {PROTOCOL_VERSION})",
+            peer,
+        )
+    body = header.get("msg")
+    if not isinstance(body, dict):
+        raise ProtocolError("header has no message body", peer)
+    try:
+        msg = message_adapter.validate_python(body)
+    except ValidationError as exc:
+        kind = body.get("type", "?")
+        first = exc.errors()[0]
+        raise ProtocolError(
+            f"invalid {kind!r} message: {first['msg']} at {'.'.join(map(str, first['loc']))}",
+            peer,
+        ) from exc
+    return header, msg
+
+
+def _alloc(meta: Any, peer: str, limits: Limits) -> torch.Tensor:
+    """Allocate the tensor a header announces, after checking it is sane and bounded."""
+    if not (isinstance(meta, list) and len(meta) == 3):
+        raise ProtocolError(f"bad tensor descriptor {meta!r}", peer)
+    name, shape, nbytes = meta
+    if name not in DTYPES:
+        raise ProtocolError(f"unknown tensor dtype {name!r}", peer)
+    if (
+        not isinstance(shape, list)
+        or len(shape) > limits.max_dims
+        or not all(isinstance(d, int) and d >= 0 for d in shape)
+    ):
+        raise ProtocolError(f"bad tensor shape {shape!r}", peer)
+    dtype = DTYPES[name]
+    expected = math.prod(shape) * dtype.itemsize
+    if nbytes != expected:
+        raise ProtocolError(f"tensor of shape {shape} {name} announces {nbytes} bytes", peer)
+    if nbytes > limits.max_tensor_bytes:
+        raise ProtocolError(
+            f"tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}", peer
+        )
+    return torch.empty(shape, dtype=dtype)
+
+
+def recv_message(
+    sock: zmq.Socket[Any], limits: Limits, routed: bool = False
+) -> tuple[str, Envelope]:
+    """Receive one whole message (the caller has polled): (peer, envelope).
+
+    `peer` is the ZeroMQ routing identity on a ROUTER socket, else the claimed
+    sender. Raises ProtocolError naming the peer; the rest of a bad message is
+    always drained so the next receive starts on a message boundary.
+    """
+    peer = sock.recv().decode(errors="replace") if routed else "?"
+    if routed and not sock.getsockopt(zmq.RCVMORE):
+        raise ProtocolError("message has no header frame", peer)
+    try:
+        header, msg = _parse_header(sock.recv(), peer, limits)
+        peer = peer if routed else str(header.get("sender", "?"))
+        metas = header.get("tensors", [])
+        if not isinstance(metas, list) or len(metas) > limits.max_tensors:
+            raise ProtocolError(f"bad tensor list {str(metas)[:80]}", peer)
+        tensors = []
+        for meta in metas:
+            tensor = _alloc(meta, peer, limits)
+            if not sock.getsockopt(zmq.RCVMORE):
+                raise ProtocolError(
+                    f"header announces {len(metas)} tensors, got {len(tensors)}", peer
+                )
+            buf = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            got = sock.recv_into(buf)
+            if got != buf.nbytes:
+                raise ProtocolError(f"tensor frame of {got} bytes, expected {buf.nbytes}", peer)
+            tensors.append(tensor)
+        if sock.getsockopt(zmq.RCVMORE):
+            raise ProtocolError(f"more frames than the {len(metas)} tensors announced", peer)
+    except ProtocolError:
+        _drain(sock)
+        raise
+    return peer, Envelope(
+        msg=msg,
+        sender=str(header.get("sender", peer)),
+        msg_id=int(header.get("id", 0)) if isinstance(header.get("id"), int) else 0,
+        sent_at=float(header["t"]) if isinstance(header.get("t"), int | float) else 0.0,
+        tensors=tensors,
+    )

@@ -1,0 +1,48 @@
+"""Exception hierarchy for Asteroid-Edge.
+
+Errors say what was expected and what was found, and name the offender (a
+device, a field, a sender) so that a log line alone explains the failure.
+"""
+
+__all__ = [
+    "AsteroidError",
+    "CheckpointError",
+    "ConfigError",
+    "PlanError",
+    "ProtocolError",
+    "RoundTimeoutError",
+    "StoreError",
+]
+
+
+class AsteroidError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class ConfigError(AsteroidError):
+    """A job spec, plan or setting is invalid."""
+
+
+class PlanError(ConfigError):
+    """A plan does not fit the model, the cluster or the batch."""
+
+
+class ProtocolError(AsteroidError):
+    """A message could not be decoded or violates the wire protocol."""
+
+    def __init__(self, reason: str, sender: str = "?") -> None:
+        super().__init__(f"bad message from {sender}: {reason}")
+        self.reason = reason
+        self.sender = sender
+
+
+class StoreError(AsteroidError):
+    """Shared state in Redis is missing or inconsistent."""
+
+
+class CheckpointError(StoreError):
+    """A checkpoint is missing, incomplete or does not match the model."""
+
+
+class RoundTimeoutError(AsteroidError):
+    """A peer did not deliver what a round needs within the configured timeout."""

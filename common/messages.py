@@ -1,0 +1,223 @@
+"""Every message of the control and data planes, as one discriminated union.
+
+Messages are frozen pydantic models with a `type` tag; the codec puts them in
+an envelope (sender, id, time, protocol version) and ships tensors as raw
+frames after the header, never inside msgpack. Data-plane messages name their
+plan epoch, round, micro-batch and stage so stale or duplicate frames are
+recognised and dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from common.ids import DeviceId
+from common.job import JobSpec
+from common.plan import Plan
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Activation",
+    "Assign",
+    "Assigned",
+    "CheckpointSaved",
+    "Gradient",
+    "Heartbeat",
+    "Message",
+    "ReduceChunk",
+    "RoundDone",
+    "RunRound",
+    "SaveCheckpoint",
+    "Shutdown",
+    "StageTimings",
+    "WorkerError",
+    "message_adapter",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# --- control plane: worker -> coordinator ---------------------------------
+
+
+class Heartbeat(_Msg):
+    """Liveness plus everything the coordinator needs to (re)register a worker."""
+
+    type: Literal["heartbeat"] = "heartbeat"
+    device: DeviceId
+    data_addr: str
+    memory_budget: int = 0
+    threads: int = 1
+    pid: int = 0
+    epoch: int = 0
+    stage: int = -1
+    round: int = -1
+    state: str = "idle"
+
+
+class Assigned(_Msg):
+    """The worker built its stage for `epoch` and loaded weights of `round`."""
+
+    type: Literal["assigned"] = "assigned"
+    device: DeviceId
+    epoch: int
+    round: int
+    param_bytes: int
+
+
+class StageTimings(_Msg):
+    """Where a worker's round time went, for metrics and the planner's feedback."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    wait_s: float = 0.0
+    allreduce_s: float = 0.0
+    step_s: float = 0.0
+    total_s: float = 0.0
+
+
+class RoundDone(_Msg):
+    """A worker finished a round: gradients reduced and the optimizer stepped."""
+
+    type: Literal["round_done"] = "round_done"
+    device: DeviceId
+    epoch: int
+    round: int
+    stage: int
+    samples: int
+    loss_sum: float = 0.0
+    correct: int = 0
+    max_alive: int = 0
+    timings: StageTimings = StageTimings()
+
+
+class CheckpointSaved(_Msg):
+    """A stage leader wrote its layers of checkpoint `round` to the store."""
+
+    type: Literal["checkpoint_saved"] = "checkpoint_saved"
+    device: DeviceId
+    epoch: int
+    round: int
+    layers: list[int]
+
+
+class WorkerError(_Msg):
+    """A worker could not do what it was asked; the text says why."""
+
+    type: Literal["worker_error"] = "worker_error"
+    device: DeviceId
+    epoch: int
+    round: int
+    error: str
+
+
+# --- control plane: coordinator -> worker ----------------------------------
+
+
+class Assign(_Msg):
+    """Run stage `stage` of `plan` from the weights of checkpoint `from_round`.
+
+    Re-sent with a new epoch to move a worker to other layers without restarting it.
+    """
+
+    type: Literal["assign"] = "assign"
+    epoch: int
+    job: JobSpec
+    plan: Plan
+    stage: int
+    peers: dict[str, str]
+    from_round: int
+    store_url: str
+    cluster: str
+
+
+class RunRound(_Msg):
+    """Start round `round` (0-based) of plan epoch `epoch`."""
+
+    type: Literal["run_round"] = "run_round"
+    epoch: int
+    round: int
+
+
+class SaveCheckpoint(_Msg):
+    """Write this stage's layers (weights and optimizer state) as checkpoint `round`."""
+
+    type: Literal["save_checkpoint"] = "save_checkpoint"
+    epoch: int
+    round: int
+
+
+class Shutdown(_Msg):
+    """Stop the worker process cleanly."""
+
+    type: Literal["shutdown"] = "shutdown"
+    reason: str = ""
+
+
+# --- data plane: worker -> worker -------------------------------------------
+
+
+class Activation(_Msg):
+    """Outputs of stage-1 for samples [lo, hi) of micro-batch `mb`, input of `stage`.
+
+    Frames: the activation tensor, then the labels of the same samples.
+    """
+
+    type: Literal["activation"] = "activation"
+    epoch: int
+    round: int
+    mb: int
+    stage: int
+    lo: int
+    hi: int
+
+
+class Gradient(_Msg):
+    """Loss gradient w.r.t. the outputs of `stage` for samples [lo, hi) of `mb`.
+
+    Frames: one gradient tensor.
+    """
+
+    type: Literal["gradient"] = "gradient"
+    epoch: int
+    round: int
+    mb: int
+    stage: int
+    lo: int
+    hi: int
+
+
+class ReduceChunk(_Msg):
+    """One chunk of a ring all-reduce step inside a stage's group. Frames: the chunk."""
+
+    type: Literal["reduce_chunk"] = "reduce_chunk"
+    epoch: int
+    round: int
+    stage: int
+    step: int
+    chunk: int
+
+
+Message = Annotated[
+    Heartbeat
+    | Assigned
+    | RoundDone
+    | CheckpointSaved
+    | WorkerError
+    | Assign
+    | RunRound
+    | SaveCheckpoint
+    | Shutdown
+    | Activation
+    | Gradient
+    | ReduceChunk,
+    Field(discriminator="type"),
+]
+
+message_adapter: TypeAdapter[Message] = TypeAdapter(Message)

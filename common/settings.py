@@ -1,0 +1,74 @@
+"""Settings of every service, from `ASTEROID_*` variables, overridden by flags.
+
+Each field has a default and a description so that `--help` and the README's
+configuration table are generated from one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["CommonSettings", "CoordinatorSettings", "WorkerSettings"]
+
+
+class CommonSettings(BaseSettings):
+    """What every service needs: where shared state lives, logging, wire limits."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="ASTEROID_", extra="ignore", cli_kebab_case=True, cli_implicit_flags=True
+    )
+
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="Redis holding shared state and checkpoints."
+    )
+    cluster: str = Field("default", description="Key prefix separating clusters in one Redis.")
+    coordinator: str = Field(
+        "tcp://127.0.0.1:5555", description="Control-plane address of the coordinator."
+    )
+    log_format: Literal["auto", "console", "json"] = Field(
+        "auto", description="Log rendering: console on a terminal, JSON otherwise (auto)."
+    )
+    log_level: str = Field("info", description="Minimum log level.")
+    heartbeat_s: float = Field(0.5, gt=0, description="Seconds between worker heartbeats.")
+    max_header_bytes: int = Field(
+        1 << 20, gt=0, description="Largest message header (msgpack frame) accepted."
+    )
+    max_tensor_bytes: int = Field(
+        1 << 30, gt=0, description="Largest tensor frame accepted; larger announcements are refused."
+    )
+
+
+class WorkerSettings(CommonSettings):
+    """A worker: its name, where peers reach it, and how much of the device it may use."""
+
+    device: str = Field("", description="Device name; defaults to the host name and pid.")
+    data_host: str = Field("127.0.0.1", description="Interface the data-plane socket binds to.")
+    data_port: int = Field(0, ge=0, description="Data-plane port (0 picks a free one).")
+    advertise_host: str = Field(
+        "", description="Host peers use to reach this worker (defaults to data_host)."
+    )
+    threads: int = Field(0, ge=0, description="Torch threads (0: the process's share of cores).")
+    memory_budget: int = Field(0, ge=0, description="Bytes this worker may use (0: unknown).")
+    task_timeout_s: float = Field(
+        120.0, gt=0, description="Longest wait for an activation, gradient or reduce chunk."
+    )
+
+
+class CoordinatorSettings(CommonSettings):
+    """The coordinator: how long it waits for workers and rounds."""
+
+    bind: str = Field("tcp://127.0.0.1:5555", description="Control-plane address to bind.")
+    join_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a plan's workers.")
+    round_timeout_s: float = Field(300.0, gt=0, description="Longest wait for one round.")
+    heartbeat_misses: int = Field(
+        6, ge=1, description="Missed heartbeats after which a worker is declared dead."
+    )
+    job: Path | None = Field(None, description="Job spec (YAML) to run at start.")
+    plan: Path | None = Field(None, description="Plan (JSON/YAML) for --job.")
+    shutdown_workers: bool = Field(
+        False, description="Tell the workers to exit when the --job finishes."
+    )

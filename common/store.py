@@ -1,0 +1,121 @@
+"""The Redis store: one key schema, chunked blobs, streams.
+
+Every key starts with `asteroid:<cluster>:` so several clusters (and test
+runs) share one Redis. Large blobs are written chunk by chunk and published by
+writing their manifest last, so a reader never sees half a blob. Redis is
+never on the per-micro-batch path: only registration, plans, round commits,
+metrics and checkpoints go through here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+
+from common.errors import StoreError
+
+__all__ = ["Store"]
+
+CHUNK_BYTES = 4 << 20
+
+
+class Store:
+    """Typed access to the cluster's shared state."""
+
+    def __init__(self, url: str, cluster: str) -> None:
+        self.prefix = f"asteroid:{cluster}:"
+        self.r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
+
+    def key(self, *parts: object) -> str:
+        """The full key for `parts` under this cluster's prefix."""
+        return self.prefix + ":".join(str(p) for p in parts)
+
+    def ping(self) -> None:
+        """Fail fast, with the URL, when Redis does not answer."""
+        try:
+            self.r.ping()
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis at {self.r.connection_pool.connection_kwargs} "
+                             f"does not answer: {exc}") from exc
+
+    # --- JSON documents -------------------------------------------------------
+
+    def put_json(self, value: Any, *parts: object) -> None:
+        """Store a JSON document."""
+        self.r.set(self.key(*parts), json.dumps(value))
+
+    def get_json(self, *parts: object) -> Any:
+        """A JSON document, or None when absent."""
+        raw = self.r.get(self.key(*parts))
+        return None if raw is None else json.loads(raw)
+
+    # --- chunked blobs --------------------------------------------------------
+
+    def put_blob(self, data: bytes, *parts: object) -> None:
+        """Write `data` in chunks, then its manifest (which makes it visible)."""
+        base = self.key(*parts)
+        view = memoryview(data)
+        n = max(1, -(-len(data) // CHUNK_BYTES))
+        pipe = self.r.pipeline(transaction=False)
+        for i in range(n):
+            pipe.set(f"{base}:chunk:{i}", bytes(view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]))
+        pipe.set(f"{base}:manifest", json.dumps({"chunks": n, "bytes": len(data)}))
+        pipe.execute()
+
+    def get_blob(self, *parts: object) -> bytes | None:
+        """A blob, or None when its manifest is absent; raises if chunks are missing."""
+        base = self.key(*parts)
+        raw = self.r.get(f"{base}:manifest")
+        if raw is None:
+            return None
+        manifest = json.loads(raw)
+        chunks = self.r.mget([f"{base}:chunk:{i}" for i in range(manifest["chunks"])])
+        if any(c is None for c in chunks):
+            raise StoreError(f"blob {base} is missing chunks")
+        data = b"".join(chunks)
+        if len(data) != manifest["bytes"]:
+            raise StoreError(f"blob {base} has {len(data)} bytes, manifest says {manifest['bytes']}")
+        return data
+
+    def delete_prefix(self, *parts: object) -> int:
+        """Delete every key under `parts` (cleanup of jobs and tests)."""
+        keys = list(self.r.scan_iter(match=self.key(*parts) + "*", count=1000))
+        return int(self.r.delete(*keys)) if keys else 0
+
+    # --- streams --------------------------------------------------------------
+
+    def append(self, stream: str, job: str, fields: dict[str, Any], maxlen: int = 10000) -> None:
+        """Append one entry (values JSON-encoded) to a capped stream."""
+        self.r.xadd(
+            self.key(stream, job),
+            {k: json.dumps(v) for k, v in fields.items()},
+            maxlen=maxlen,
+            approximate=True,
+        )
+
+    def read(self, stream: str, job: str) -> list[dict[str, Any]]:
+        """Every entry of a stream, decoded, oldest first."""
+        out = []
+        for _, fields in self.r.xrange(self.key(stream, job)):
+            out.append({k.decode(): json.loads(v) for k, v in fields.items()})
+        return out
+
+    def set_fields(self, mapping: dict[str, Any], *parts: object) -> None:
+        """Set fields of a hash (values JSON-encoded)."""
+        self.r.hset(self.key(*parts), mapping={k: json.dumps(v) for k, v in mapping.items()})
+
+    def get_fields(self, *parts: object) -> dict[str, Any]:
+        """All fields of a hash, decoded."""
+        raw = self.r.hgetall(self.key(*parts))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self.r.close()
+
+    def keys(self, *parts: object) -> Iterable[bytes]:
+        """Keys under `parts` (for status and tests)."""
+        return self.r.scan_iter(match=self.key(*parts) + "*", count=1000)

@@ -1,0 +1,214 @@
+"""`asteroid-worker`: one per device; joins the coordinator and runs its stage.
+
+Main thread: commands from the coordinator (assign, run round, checkpoint,
+shutdown) and all torch compute. Side threads: control link (heartbeats),
+receiver (task pool) and dispatcher (sends). A failure inside a command is
+reported to the coordinator as a WorkerError; the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+import torch
+import zmq
+from torch import nn
+from pydantic_settings import CliApp
+
+from common.codec import Limits
+from common.errors import AsteroidError
+from common.ids import DeviceId
+from common.logging import bind_global, configure_logging, get_logger
+from common.messages import (
+    Assign,
+    Assigned,
+    CheckpointSaved,
+    Heartbeat,
+    RoundDone,
+    RunRound,
+    SaveCheckpoint,
+    Shutdown,
+    WorkerError,
+)
+from common.settings import WorkerSettings
+from common.store import Store
+from services.worker.control import ControlLink
+from services.worker.pool import TaskPool
+from services.worker.stage import StageRunner
+from services.worker.transport import Dispatcher, Receiver
+
+__all__ = ["Worker", "main"]
+
+log = get_logger(__name__)
+
+
+def default_threads() -> int:
+    """This process's share of the cores when several workers share one machine."""
+    return max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("ASTEROID_WORKERS_PER_HOST", "1"))))
+
+
+def _warm_up() -> None:
+    """Pay torch's one-off lazy imports (optimizers pull in the compiler stack)
+    before joining, so that the first assignment is not seconds late."""
+    param = nn.Parameter(torch.zeros(1))
+    torch.optim.SGD([param], lr=0.1).step()
+
+
+class Worker:
+    """A device's worker: wiring of sockets, threads and the stage runner."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.device = DeviceId(settings.device or f"{socket.gethostname()}-{os.getpid()}")
+        self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.pool = TaskPool()
+        self.receiver = Receiver(
+            self.ctx, f"tcp://{settings.data_host}:{settings.data_port}", self.limits, self.pool
+        )
+        host = settings.advertise_host or settings.data_host
+        self.data_addr = f"tcp://{host}:{self.receiver.endpoint.rsplit(':', 1)[1]}"
+        self.dispatcher = Dispatcher(self.ctx, self.device)
+        self.control = ControlLink(
+            self.ctx, settings.coordinator, self.device, self.limits, settings.heartbeat_s,
+            self._heartbeat,
+        )
+        self.runner: StageRunner | None = None
+        self.state = "idle"
+        self.stopping = threading.Event()
+        self._stores: dict[tuple[str, str], Store] = {}
+
+    def _heartbeat(self) -> Heartbeat:
+        r = self.runner
+        return Heartbeat(
+            device=self.device,
+            data_addr=self.data_addr,
+            memory_budget=self.settings.memory_budget,
+            threads=torch.get_num_threads(),
+            pid=os.getpid(),
+            epoch=r.epoch if r else 0,
+            stage=r.p if r else -1,
+            round=r.round if r else -1,
+            state=self.state,
+        )
+
+    def _store(self, url: str, cluster: str) -> Store:
+        key = (url, cluster)
+        if key not in self._stores:
+            self._stores[key] = Store(url, cluster)
+        return self._stores[key]
+
+    def serve(self) -> None:
+        """Run until told to shut down (or SIGTERM/SIGINT)."""
+        _warm_up()
+        self.receiver.start()
+        self.dispatcher.start()
+        self.control.start()
+        log.info("worker started", data=self.data_addr, coordinator=self.settings.coordinator)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    env = self.control.inbox.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                self._handle(env.msg)
+        finally:
+            self.close()
+
+    def _handle(self, msg: object) -> None:
+        epoch = self.runner.epoch if self.runner else 0
+        try:
+            if isinstance(msg, Assign):
+                self._assign(msg)
+            elif isinstance(msg, RunRound):
+                self._run_round(msg)
+            elif isinstance(msg, SaveCheckpoint):
+                runner = self._current(msg.epoch)
+                layers = runner.save(msg.round)
+                self.control.send(CheckpointSaved(device=self.device, epoch=msg.epoch,
+                                                  round=msg.round, layers=layers))
+            elif isinstance(msg, Shutdown):
+                log.info("shutdown requested", reason=msg.reason)
+                self.stopping.set()
+            else:
+                log.warning("unexpected control message", type=getattr(msg, "type", "?"))
+        except (AsteroidError, RuntimeError, ValueError, KeyError, MemoryError) as exc:
+            # Reported, not fatal: the coordinator decides what happens to the job.
+            self.state = "error"
+            log.exception("command failed", command=getattr(msg, "type", "?"))
+            rnd = getattr(msg, "round", -1)
+            self.control.send(WorkerError(device=self.device, epoch=epoch, round=rnd,
+                                          error=f"{type(exc).__name__}: {exc}"))
+
+    def _current(self, epoch: int) -> StageRunner:
+        if self.runner is None or self.runner.epoch != epoch:
+            have = self.runner.epoch if self.runner else None
+            raise AsteroidError(f"no stage assigned for plan epoch {epoch} (have {have})")
+        return self.runner
+
+    def _assign(self, msg: Assign) -> None:
+        self.state = "loading"
+        self.runner = None
+        self.dispatcher.set_peers(msg.peers)
+        store = self._store(msg.store_url, msg.cluster)
+        self.runner = StageRunner(msg, self.device, store, self.pool, self.dispatcher,
+                                  self.settings.task_timeout_s)
+        bind_global(job=msg.job.job_id, stage=msg.stage, epoch=msg.epoch)
+        self.state = "ready"
+        log.info("stage assigned", layers=[self.runner.start, self.runner.end],
+                 group=self.runner.group, k=self.runner.k)
+        self.control.send(Assigned(device=self.device, epoch=msg.epoch, round=msg.from_round,
+                                   param_bytes=self.runner.param_bytes()))
+
+    def _run_round(self, msg: RunRound) -> None:
+        runner = self._current(msg.epoch)
+        self.state = "training"
+        bind_global(round=msg.round)
+        res = runner.run_round(msg.round)
+        if self.dispatcher.error is not None:
+            err, self.dispatcher.error = self.dispatcher.error, None
+            raise AsteroidError(f"sending to a peer failed during round {msg.round}: {err}")
+        self.state = "ready"
+        self.control.send(RoundDone(
+            device=self.device, epoch=msg.epoch, round=msg.round, stage=runner.p,
+            samples=res.samples, loss_sum=res.loss_sum, correct=res.correct,
+            max_alive=res.max_alive, timings=res.stage_timings(),
+        ))
+
+    def close(self) -> None:
+        """Stop threads and sockets; safe to call twice."""
+        self.control.close()
+        self.receiver.stop.set()
+        self.dispatcher.close()
+        self.receiver.join(timeout=5)
+        self.dispatcher.join(timeout=5)
+        for store in self._stores.values():
+            store.close()
+        self.ctx.destroy(linger=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `asteroid-worker`."""
+    settings = CliApp.run(WorkerSettings, cli_args=sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(settings.threads or default_threads())
+    configure_logging(settings.log_level, settings.log_format)
+    worker = Worker(settings)
+    bind_global(device=worker.device)
+
+    def _stop(signum: int, _: object) -> None:
+        log.info("signal received", signal=signal.Signals(signum).name)
+        worker.stopping.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    worker.serve()
+
+
+if __name__ == "__main__":
+    main()

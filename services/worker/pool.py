@@ -1,0 +1,149 @@
+"""The in-memory task pool of Asteroid's Fig. 11.
+
+Receivers put activation, gradient and all-reduce parts here; a forward or
+backward task becomes ready once parts cover the device's whole sample range
+of that micro-batch. Parts of an older plan epoch or an already-finished round
+are dropped, duplicates too, so replays never reach the scheduler.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from common.errors import RoundTimeoutError
+
+__all__ = ["Part", "TaskPool"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class Part:
+    """Samples [lo, hi) of one micro-batch: activation+labels or a gradient."""
+
+    lo: int
+    hi: int
+    tensors: list[torch.Tensor]
+
+
+@dataclass
+class _Slot:
+    parts: dict[int, Part] = field(default_factory=dict)
+    covered: int = 0
+
+
+class TaskPool:
+    """Thread-safe store of incoming parts, keyed by (round, kind, micro-batch)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.epoch = -1
+        self.round = -1
+        self.span = (0, 0)
+        self._slots: dict[tuple[int, str, int], _Slot] = {}
+        self._chunks: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.dropped = 0
+
+    @property
+    def need(self) -> int:
+        """Samples a task must cover: the device's share of a micro-batch."""
+        return self.span[1] - self.span[0]
+
+    def reset(self, epoch: int, span: tuple[int, int]) -> None:
+        """Start plan epoch `epoch`; a task is complete when parts cover `span`."""
+        with self.cond:
+            self.epoch, self.round, self.span = epoch, -1, span
+            self._slots.clear()
+            self._chunks.clear()
+
+    def begin_round(self, round_no: int) -> None:
+        """Drop everything of rounds before `round_no`; later parts are kept."""
+        with self.cond:
+            self.round = round_no
+            self._slots = {k: v for k, v in self._slots.items() if k[0] >= round_no}
+            self._chunks = {k: v for k, v in self._chunks.items() if k[0] >= round_no}
+
+    def _fresh(self, epoch: int, round_no: int) -> str | None:
+        if epoch != self.epoch:
+            return f"plan epoch {epoch}, current is {self.epoch}"
+        if round_no < self.round:
+            return f"round {round_no} already finished (current {self.round})"
+        return None
+
+    def put_part(self, epoch: int, round_no: int, kind: str, mb: int, part: Part) -> str | None:
+        """Add a part; returns why it was dropped, or None when accepted."""
+        with self.cond:
+            stale = self._fresh(epoch, round_no)
+            if stale:
+                self.dropped += 1
+                return stale
+            slot = self._slots.setdefault((round_no, kind, mb), _Slot())
+            if part.lo in slot.parts or not self.span[0] <= part.lo < part.hi <= self.span[1]:
+                self.dropped += 1
+                return f"duplicate or out-of-range part [{part.lo}, {part.hi}) of {kind}{mb}"
+            if slot.covered + part.hi - part.lo > self.need:
+                self.dropped += 1
+                return f"overlapping part [{part.lo}, {part.hi}) of {kind}{mb}"
+            slot.parts[part.lo] = part
+            slot.covered += part.hi - part.lo
+            self.cond.notify_all()
+            return None
+
+    def put_chunk(self, epoch: int, round_no: int, step: int, chunk: int, t: torch.Tensor) -> str | None:
+        """Add an all-reduce chunk; returns why it was dropped, or None."""
+        with self.cond:
+            stale = self._fresh(epoch, round_no)
+            key = (round_no, step, chunk)
+            if stale or key in self._chunks:
+                self.dropped += 1
+                return stale or f"duplicate reduce chunk step {step} chunk {chunk}"
+            self._chunks[key] = t
+            self.cond.notify_all()
+            return None
+
+    def ready(self, round_no: int, kind: str) -> frozenset[int]:
+        """Micro-batches of `kind` whose parts cover the whole range (call under `cond`)."""
+        return frozenset(
+            mb
+            for (r, k, mb), slot in self._slots.items()
+            if r == round_no and k == kind and slot.covered == self.need
+        )
+
+    def take(self, round_no: int, kind: str, mb: int) -> list[torch.Tensor]:
+        """Remove a complete task and concatenate its parts in sample order."""
+        with self.cond:
+            slot = self._slots.pop((round_no, kind, mb))
+        parts = [slot.parts[lo] for lo in sorted(slot.parts)]
+        if len(parts) == 1:
+            return parts[0].tensors
+        return [torch.cat(ts) for ts in zip(*(p.tensors for p in parts), strict=True)]
+
+    def wait(self, decide: Callable[[], T | None], timeout_s: float, what: Callable[[], str]) -> T:
+        """Block until `decide()` (run under the lock) returns a value, or time out."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                result = decide()
+                if result is not None:
+                    return result
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RoundTimeoutError(f"waited {timeout_s:.0f} s for {what()}")
+                self.cond.wait(left)
+
+    def take_chunk(self, round_no: int, step: int, chunk: int, timeout_s: float) -> torch.Tensor:
+        """Wait for and remove one all-reduce chunk."""
+        key = (round_no, step, chunk)
+        self.wait(
+            lambda: True if key in self._chunks else None,
+            timeout_s,
+            lambda: f"reduce chunk {chunk} of step {step} in round {round_no}",
+        )
+        with self.cond:
+            return self._chunks.pop(key)

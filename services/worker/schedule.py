@@ -1,0 +1,84 @@
+"""Pipeline schedules as data, and the scheduler's pure decision function.
+
+`schedule()` gives a stage's canonical order of actions for a policy (used by
+the rule checker and, later, the simulator); `next_task()` is what the worker
+calls on every step: given which tasks are ready in the pool, which one runs
+now. Both obey the same bound: under 1F1B at most K_p micro-batches have
+activations alive; under GPipe all M do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["POLICIES", "Action", "PoolView", "next_task", "parse_action", "schedule"]
+
+Kind = Literal["F", "B"]
+POLICIES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One compute step: forward or backward of micro-batch `mb` on `stage`."""
+
+    stage: int
+    kind: Kind
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.mb}"
+
+
+def parse_action(text: str) -> Action:
+    """Inverse of `str(action)`, e.g. "2F0" -> Action(2, "F", 0)."""
+    for kind in ("F", "B"):
+        stage, sep, mb = text.partition(kind)
+        if sep:
+            return Action(int(stage), kind, int(mb))  # type: ignore[arg-type]
+    raise ValueError(f"not an action: {text!r}")
+
+
+def schedule(stage: int, k: int, m: int, policy: str = "1f1b") -> list[Action]:
+    """Canonical action order of `stage` with K_p=`k` warm-up forwards and `m` micro-batches."""
+    if policy == "gpipe":
+        return [Action(stage, "F", j) for j in range(m)] + [
+            Action(stage, "B", j) for j in range(m)
+        ]
+    if policy != "1f1b":
+        raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+    warm = min(k, m)
+    out = [Action(stage, "F", j) for j in range(warm)]
+    next_f = warm
+    for j in range(m):
+        out.append(Action(stage, "B", j))
+        if next_f < m:
+            out.append(Action(stage, "F", next_f))
+            next_f += 1
+    return out
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What the scheduler needs to know about the task pool and its own progress."""
+
+    next_forward: int
+    alive: int
+    forward_ready: frozenset[int]
+    backward_ready: frozenset[int]
+
+
+def next_task(view: PoolView, stage: int, k: int, m: int, policy: str) -> Action | None:
+    """The action to run now, or None to wait for the pool.
+
+    Backward first (it frees memory); forwards strictly in micro-batch order
+    (the order the previous stage sends them), only while fewer than K_p are
+    alive under 1F1B, and under GPipe no backward until every forward ran.
+    """
+    all_forwarded = view.next_forward >= m
+    if view.backward_ready and (policy == "1f1b" or all_forwarded):
+        return Action(stage, "B", min(view.backward_ready))
+    limit = k if policy == "1f1b" else m
+    if not all_forwarded and view.alive < limit and view.next_forward in view.forward_ready:
+        return Action(stage, "F", view.next_forward)
+    return None

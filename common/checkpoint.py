@@ -32,7 +32,9 @@ __all__ = [
 OPTIM_PREFIX = "__optim__."
 
 
-def _split_by_layer(state: dict[str, torch.Tensor], start: int) -> dict[int, dict[str, torch.Tensor]]:
+def _split_by_layer(
+    state: dict[str, torch.Tensor], start: int
+) -> dict[int, dict[str, torch.Tensor]]:
     """Stage-module keys `j.rest` -> {start + j: {rest: tensor}}."""
     out: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in state.items():
@@ -105,12 +107,19 @@ def restore_optimizer(
 def commit_checkpoint(store: Store, job: str, round_no: int, num_layers: int) -> None:
     """Publish checkpoint `round_no` once every layer is written."""
     missing = [
-        i for i in range(num_layers) if store.get_json("ckpt", job, round_no, "layer", i, "manifest") is None
+        i
+        for i in range(num_layers)
+        if store.get_json("ckpt", job, round_no, "layer", i, "manifest") is None
     ]
     if missing:
         raise CheckpointError(f"checkpoint round {round_no} of job {job} lacks layers {missing}")
-    store.put_json({"round": round_no, "layers": num_layers, "time": time.time()},
-                   "ckpt", job, round_no, "manifest")
+    store.put_json(
+        {"round": round_no, "layers": num_layers, "time": time.time()},
+        "ckpt",
+        job,
+        round_no,
+        "manifest",
+    )
     store.r.set(store.key("ckpt", job, "latest"), round_no)
 
 

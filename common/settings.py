@@ -38,7 +38,9 @@ class CommonSettings(BaseSettings):
         1 << 20, gt=0, description="Largest message header (msgpack frame) accepted."
     )
     max_tensor_bytes: int = Field(
-        1 << 30, gt=0, description="Largest tensor frame accepted; larger announcements are refused."
+        1 << 30,
+        gt=0,
+        description="Largest tensor frame accepted; larger announcements are refused.",
     )
 
 
@@ -51,7 +53,12 @@ class WorkerSettings(CommonSettings):
     advertise_host: str = Field(
         "", description="Host peers use to reach this worker (defaults to data_host)."
     )
-    threads: int = Field(0, ge=0, description="Torch threads (0: the process's share of cores).")
+    threads: int = Field(
+        0, ge=0, description="Torch threads (0: cores divided by workers_per_host)."
+    )
+    workers_per_host: int = Field(
+        1, ge=1, description="Workers sharing this machine, for the default thread count."
+    )
     memory_budget: int = Field(0, ge=0, description="Bytes this worker may use (0: unknown).")
     task_timeout_s: float = Field(
         120.0, gt=0, description="Longest wait for an activation, gradient or reduce chunk."

@@ -34,7 +34,7 @@ def connect_dealer(
     ctx: zmq.Context[Any], addr: str, identity: str, send_timeout_s: float = 30.0
 ) -> zmq.Socket[Any]:
     """A DEALER with routing identity `identity`, connected to `addr`."""
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -38,8 +38,9 @@ class Store:
         try:
             self.r.ping()
         except redis.RedisError as exc:
-            raise StoreError(f"Redis at {self.r.connection_pool.connection_kwargs} "
-                             f"does not answer: {exc}") from exc
+            raise StoreError(
+                f"Redis at {self.r.connection_pool.connection_kwargs} does not answer: {exc}"
+            ) from exc
 
     # --- JSON documents -------------------------------------------------------
 
@@ -72,12 +73,15 @@ class Store:
         if raw is None:
             return None
         manifest = json.loads(raw)
-        chunks = self.r.mget([f"{base}:chunk:{i}" for i in range(manifest["chunks"])])
+        names = [f"{base}:chunk:{i}" for i in range(manifest["chunks"])]
+        chunks = cast(list[bytes | None], self.r.mget(names))
         if any(c is None for c in chunks):
             raise StoreError(f"blob {base} is missing chunks")
-        data = b"".join(chunks)
+        data = b"".join(c for c in chunks if c is not None)
         if len(data) != manifest["bytes"]:
-            raise StoreError(f"blob {base} has {len(data)} bytes, manifest says {manifest['bytes']}")
+            raise StoreError(
+                f"blob {base} has {len(data)} bytes, manifest says {manifest['bytes']}"
+            )
         return data
 
     def delete_prefix(self, *parts: object) -> int:
@@ -99,7 +103,8 @@ class Store:
     def read(self, stream: str, job: str) -> list[dict[str, Any]]:
         """Every entry of a stream, decoded, oldest first."""
         out = []
-        for _, fields in self.r.xrange(self.key(stream, job)):
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], self.r.xrange(self.key(stream, job)))
+        for _, fields in entries:
             out.append({k.decode(): json.loads(v) for k, v in fields.items()})
         return out
 
@@ -109,7 +114,7 @@ class Store:
 
     def get_fields(self, *parts: object) -> dict[str, Any]:
         """All fields of a hash, decoded."""
-        raw = self.r.hgetall(self.key(*parts))
+        raw = cast(dict[bytes, bytes], self.r.hgetall(self.key(*parts)))
         return {k.decode(): json.loads(v) for k, v in raw.items()}
 
     def close(self) -> None:

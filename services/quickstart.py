@@ -13,7 +13,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -42,7 +42,7 @@ def _redis() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _workers(names: list[str], env: dict[str, str]) -> Iterator[list[subprocess.Popen[bytes]]]:
+def _workers(names: Sequence[str], env: dict[str, str]) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs = [
         subprocess.Popen([sys.executable, "-m", "services.worker.main", "--device", n], env=env)
         for n in names
@@ -64,16 +64,23 @@ def _summary(console: Console, s: JobSummary, batch: int) -> None:
     table = Table(title=f"job {s.job_id}: {s.rounds} rounds of {batch} samples")
     for col in ("", "first 5 rounds", "last 5 rounds"):
         table.add_column(col)
+
     def avg(xs: list[float]) -> str:
         return f"{sum(xs) / len(xs):.3f}"
+
     table.add_row("loss", avg(s.losses[:5]), avg(s.losses[-5:]))
     table.add_row("train accuracy", avg(s.accuracies[:5]), avg(s.accuracies[-5:]))
     rs = s.round_s[1:] or s.round_s
-    table.add_row("samples/s", f"{batch / (sum(s.round_s[:5]) / 5):.0f}",
-                  f"{batch * len(rs[-5:]) / sum(rs[-5:]):.0f}")
+    table.add_row(
+        "samples/s",
+        f"{batch / (sum(s.round_s[:5]) / 5):.0f}",
+        f"{batch * len(rs[-5:]) / sum(rs[-5:]):.0f}",
+    )
     console.print(table)
-    console.print(f"checkpoints committed at rounds {s.checkpoints}; peak activations alive "
-                  f"per worker {s.max_alive}")
+    console.print(
+        f"checkpoints committed at rounds {s.checkpoints}; peak activations alive "
+        f"per worker {s.max_alive}"
+    )
 
 
 def main() -> None:
@@ -89,9 +96,14 @@ def main() -> None:
     try:
         with _redis() as url:
             console.print(f"Redis at {url}; starting {len(plan.devices)} workers")
-            env = {**os.environ, "ASTEROID_REDIS_URL": url, "ASTEROID_COORDINATOR": addr,
-                   "ASTEROID_CLUSTER": "quickstart", "ASTEROID_THREADS": "1",
-                   "ASTEROID_LOG_LEVEL": "warning"}
+            env = {
+                **os.environ,
+                "ASTEROID_REDIS_URL": url,
+                "ASTEROID_COORDINATOR": addr,
+                "ASTEROID_CLUSTER": "quickstart",
+                "ASTEROID_THREADS": "1",
+                "ASTEROID_LOG_LEVEL": "warning",
+            }
             settings = CoordinatorSettings(redis_url=url, bind=addr, cluster="quickstart")
             with _workers(plan.devices, env):
                 coord = Coordinator(settings)

@@ -7,6 +7,7 @@ leftovers even when a test fails half-way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,10 +29,8 @@ def kill_all() -> None:
         if proc.poll() is None:
             proc.kill()
     for proc in _CHILDREN:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
     _CHILDREN.clear()
 
 
@@ -63,7 +62,10 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         with (self.tmp / f"{name}.log").open("wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, *args], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                [sys.executable, *args],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         _CHILDREN.append(proc)
@@ -79,12 +81,23 @@ class LocalCluster:
         path.write_text(json.dumps(data) if name.endswith(".json") else yaml.safe_dump(data))
         return path
 
-    def start_coordinator(self, job: dict[str, Any], plan: dict[str, Any]) -> subprocess.Popen[bytes]:
-        return self._spawn("coordinator", [
-            "-m", "services.coordinator.main", "--bind", self.addr,
-            "--job", str(self.write("job.yaml", job)), "--plan", str(self.write("plan.json", plan)),
-            "--shutdown-workers",
-        ])
+    def start_coordinator(
+        self, job: dict[str, Any], plan: dict[str, Any]
+    ) -> subprocess.Popen[bytes]:
+        return self._spawn(
+            "coordinator",
+            [
+                "-m",
+                "services.coordinator.main",
+                "--bind",
+                self.addr,
+                "--job",
+                str(self.write("job.yaml", job)),
+                "--plan",
+                str(self.write("plan.json", plan)),
+                "--shutdown-workers",
+            ],
+        )
 
     def run(self, job: dict[str, Any], plan: dict[str, Any], timeout_s: float = 240) -> int:
         """Run a job to the end; returns the coordinator's exit code."""
@@ -93,7 +106,9 @@ class LocalCluster:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise AssertionError(f"coordinator did not finish in {timeout_s} s:\n{self.log('coordinator')}") from None
+            raise AssertionError(
+                f"coordinator did not finish in {timeout_s} s:\n{self.log('coordinator')}"
+            ) from None
 
     def log(self, name: str) -> str:
         path = self.tmp / f"{name}.log"

@@ -95,8 +95,12 @@ class Coordinator:
             claimed = getattr(env.msg, "device", peer)
             if claimed != peer:
                 self.bad_messages += 1
-                log.warning("dropped message whose device differs from its sender",
-                            peer=peer, claimed=claimed, type=env.msg.type)
+                log.warning(
+                    "dropped message whose device differs from its sender",
+                    peer=peer,
+                    claimed=claimed,
+                    type=env.msg.type,
+                )
             elif isinstance(env.msg, Heartbeat):
                 self._heartbeat(env.msg)
             else:
@@ -124,7 +128,11 @@ class Coordinator:
             self.pump(0.1)
 
     def gather(
-        self, kind: type[Message], devices: list[DeviceId], epoch: int, round_no: int,
+        self,
+        kind: type[Message],
+        devices: list[DeviceId],
+        epoch: int,
+        round_no: int,
         timeout_s: float,
     ) -> dict[DeviceId, Any]:
         """Wait for one `kind` reply of (epoch, round) from each of `devices`."""
@@ -137,15 +145,23 @@ class Coordinator:
                 peer, msg = self.inbox.popleft()
                 if isinstance(msg, WorkerError) and msg.epoch in (epoch, 0) and peer in want:
                     raise JobFailed(f"worker {peer} failed in round {msg.round}: {msg.error}")
-                if (isinstance(msg, kind) and peer in want
-                        and getattr(msg, "epoch", None) == epoch
-                        and getattr(msg, "round", None) == round_no):
+                if (
+                    isinstance(msg, kind)
+                    and peer in want
+                    and getattr(msg, "epoch", None) == epoch
+                    and getattr(msg, "round", None) == round_no
+                ):
                     got[peer] = msg
                 else:
                     log.debug("ignored stale reply", peer=peer, type=msg.type)
             now = time.monotonic()
-            gone = [d for d in dead(self.members, now, self.settings.heartbeat_s,
-                                    self.settings.heartbeat_misses) if d in want]
+            gone = [
+                d
+                for d in dead(
+                    self.members, now, self.settings.heartbeat_s, self.settings.heartbeat_misses
+                )
+                if d in want
+            ]
             if gone:
                 raise JobFailed(
                     f"workers {gone} stopped heartbeating while the coordinator waited for "
@@ -186,11 +202,21 @@ class Coordinator:
         save_stage(self.store, jid, 0, model, None, 0)
         commit_checkpoint(self.store, jid, 0, len(model))
         epoch = int(self.store.r.incr(self.store.key("epoch")))
-        peers = {d: self.members[d].info.data_addr for d in devices}
+        peers = {str(d): self.members[d].info.data_addr for d in devices}
         for d in devices:
-            self.send(d, Assign(epoch=epoch, job=job, plan=plan, stage=plan.stage_of(d),
-                                peers=peers, from_round=0, store_url=s.redis_url,
-                                cluster=s.cluster))
+            self.send(
+                d,
+                Assign(
+                    epoch=epoch,
+                    job=job,
+                    plan=plan,
+                    stage=plan.stage_of(d),
+                    peers=peers,
+                    from_round=0,
+                    store_url=s.redis_url,
+                    cluster=s.cluster,
+                ),
+            )
         self.gather(Assigned, devices, epoch, 0, s.round_timeout_s)
         self._job_state(jid, "running", epoch=epoch)
         summary = JobSummary(job_id=jid, rounds=job.rounds)
@@ -223,20 +249,39 @@ class Coordinator:
         return summary
 
     def _commit_round(
-        self, jid: str, r: int, epoch: int, loss: float, acc: float, elapsed: float,
-        plan: Plan, done: dict[DeviceId, RoundDone],
+        self,
+        jid: str,
+        r: int,
+        epoch: int,
+        loss: float,
+        acc: float,
+        elapsed: float,
+        plan: Plan,
+        done: dict[DeviceId, RoundDone],
     ) -> None:
         """Record round `r` as committed: weights now belong to round r+1."""
-        self.store.set_fields({"round": r + 1, "epoch": epoch, "updated": time.time()},
-                              "job", jid)
-        self.store.append("metrics", jid, {
-            "round": r, "loss": loss, "accuracy": acc, "round_s": elapsed,
-            "samples_per_s": plan.global_batch / elapsed,
-            "devices": {d: {"stage": m.stage, "max_alive": m.max_alive,
-                            **m.timings.model_dump()} for d, m in done.items()},
-        })
-        log.info("round committed", loss=round(loss, 5), accuracy=round(acc, 3),
-                 round_s=round(elapsed, 3))
+        self.store.set_fields({"round": r + 1, "epoch": epoch, "updated": time.time()}, "job", jid)
+        self.store.append(
+            "metrics",
+            jid,
+            {
+                "round": r,
+                "loss": loss,
+                "accuracy": acc,
+                "round_s": elapsed,
+                "samples_per_s": plan.global_batch / elapsed,
+                "devices": {
+                    d: {"stage": m.stage, "max_alive": m.max_alive, **m.timings.model_dump()}
+                    for d, m in done.items()
+                },
+            },
+        )
+        log.info(
+            "round committed",
+            loss=round(loss, 5),
+            accuracy=round(acc, 3),
+            round_s=round(elapsed, 3),
+        )
 
     def shutdown_workers(self, reason: str) -> None:
         """Tell every known worker to exit."""

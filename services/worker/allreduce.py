@@ -19,7 +19,9 @@ Send = Callable[[int, int, torch.Tensor], None]
 Recv = Callable[[int, int], torch.Tensor]
 
 
-def ring_allreduce(flat: torch.Tensor, rank: int, size: int, send: Send, recv: Recv) -> torch.Tensor:
+def ring_allreduce(
+    flat: torch.Tensor, rank: int, size: int, send: Send, recv: Recv
+) -> torch.Tensor:
     """Sum `flat` over the ring; returns the result (a new tensor when size > 1).
 
     `send(step, chunk, tensor)` goes to rank+1; `recv(step, chunk)` comes from rank-1.

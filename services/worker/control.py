@@ -75,8 +75,9 @@ class ControlLink(threading.Thread):
                     try:
                         _, env = recv_message(sock, self.limits)
                     except ProtocolError as exc:
-                        log.warning("dropped bad control message", peer="coordinator",
-                                    reason=exc.reason)
+                        log.warning(
+                            "dropped bad control message", peer="coordinator", reason=exc.reason
+                        )
                         continue
                     self.inbox.put(env)
         finally:

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 import zmq
-from torch import nn
 from pydantic_settings import CliApp
+from torch import nn
 
 from common.codec import Limits
 from common.errors import AsteroidError
@@ -48,14 +48,17 @@ __all__ = ["Worker", "main"]
 log = get_logger(__name__)
 
 
-def default_threads() -> int:
-    """This process's share of the cores when several workers share one machine."""
-    return max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("ASTEROID_WORKERS_PER_HOST", "1"))))
+def default_threads(workers_per_host: int) -> int:
+    """Cores per worker, so workers sharing a machine do not oversubscribe it."""
+    return max(1, (os.cpu_count() or 1) // workers_per_host)
 
 
 def _warm_up() -> None:
-    """Pay torch's one-off lazy imports (optimizers pull in the compiler stack)
-    before joining, so that the first assignment is not seconds late."""
+    """Pay torch's one-off lazy imports before joining.
+
+    Optimizers pull in the compiler stack on first use; paying that here keeps
+    the first assignment from being seconds late.
+    """
     param = nn.Parameter(torch.zeros(1))
     torch.optim.SGD([param], lr=0.1).step()
 
@@ -76,7 +79,11 @@ class Worker:
         self.data_addr = f"tcp://{host}:{self.receiver.endpoint.rsplit(':', 1)[1]}"
         self.dispatcher = Dispatcher(self.ctx, self.device)
         self.control = ControlLink(
-            self.ctx, settings.coordinator, self.device, self.limits, settings.heartbeat_s,
+            self.ctx,
+            settings.coordinator,
+            self.device,
+            self.limits,
+            settings.heartbeat_s,
             self._heartbeat,
         )
         self.runner: StageRunner | None = None
@@ -131,8 +138,11 @@ class Worker:
             elif isinstance(msg, SaveCheckpoint):
                 runner = self._current(msg.epoch)
                 layers = runner.save(msg.round)
-                self.control.send(CheckpointSaved(device=self.device, epoch=msg.epoch,
-                                                  round=msg.round, layers=layers))
+                self.control.send(
+                    CheckpointSaved(
+                        device=self.device, epoch=msg.epoch, round=msg.round, layers=layers
+                    )
+                )
             elif isinstance(msg, Shutdown):
                 log.info("shutdown requested", reason=msg.reason)
                 self.stopping.set()
@@ -143,8 +153,11 @@ class Worker:
             self.state = "error"
             log.exception("command failed", command=getattr(msg, "type", "?"))
             rnd = getattr(msg, "round", -1)
-            self.control.send(WorkerError(device=self.device, epoch=epoch, round=rnd,
-                                          error=f"{type(exc).__name__}: {exc}"))
+            self.control.send(
+                WorkerError(
+                    device=self.device, epoch=epoch, round=rnd, error=f"{type(exc).__name__}: {exc}"
+                )
+            )
 
     def _current(self, epoch: int) -> StageRunner:
         if self.runner is None or self.runner.epoch != epoch:
@@ -157,14 +170,25 @@ class Worker:
         self.runner = None
         self.dispatcher.set_peers(msg.peers)
         store = self._store(msg.store_url, msg.cluster)
-        self.runner = StageRunner(msg, self.device, store, self.pool, self.dispatcher,
-                                  self.settings.task_timeout_s)
+        self.runner = StageRunner(
+            msg, self.device, store, self.pool, self.dispatcher, self.settings.task_timeout_s
+        )
         bind_global(job=msg.job.job_id, stage=msg.stage, epoch=msg.epoch)
         self.state = "ready"
-        log.info("stage assigned", layers=[self.runner.start, self.runner.end],
-                 group=self.runner.group, k=self.runner.k)
-        self.control.send(Assigned(device=self.device, epoch=msg.epoch, round=msg.from_round,
-                                   param_bytes=self.runner.param_bytes()))
+        log.info(
+            "stage assigned",
+            layers=[self.runner.start, self.runner.end],
+            group=self.runner.group,
+            k=self.runner.k,
+        )
+        self.control.send(
+            Assigned(
+                device=self.device,
+                epoch=msg.epoch,
+                round=msg.from_round,
+                param_bytes=self.runner.param_bytes(),
+            )
+        )
 
     def _run_round(self, msg: RunRound) -> None:
         runner = self._current(msg.epoch)
@@ -175,11 +199,19 @@ class Worker:
             err, self.dispatcher.error = self.dispatcher.error, None
             raise AsteroidError(f"sending to a peer failed during round {msg.round}: {err}")
         self.state = "ready"
-        self.control.send(RoundDone(
-            device=self.device, epoch=msg.epoch, round=msg.round, stage=runner.p,
-            samples=res.samples, loss_sum=res.loss_sum, correct=res.correct,
-            max_alive=res.max_alive, timings=res.stage_timings(),
-        ))
+        self.control.send(
+            RoundDone(
+                device=self.device,
+                epoch=msg.epoch,
+                round=msg.round,
+                stage=runner.p,
+                samples=res.samples,
+                loss_sum=res.loss_sum,
+                correct=res.correct,
+                max_alive=res.max_alive,
+                timings=res.stage_timings(),
+            )
+        )
 
     def close(self) -> None:
         """Stop threads and sockets; safe to call twice."""
@@ -196,7 +228,7 @@ class Worker:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `asteroid-worker`."""
     settings = CliApp.run(WorkerSettings, cli_args=sys.argv[1:] if argv is None else argv)
-    torch.set_num_threads(settings.threads or default_threads())
+    torch.set_num_threads(settings.threads or default_threads(settings.workers_per_host))
     configure_logging(settings.log_level, settings.log_format)
     worker = Worker(settings)
     bind_global(device=worker.device)

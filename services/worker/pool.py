@@ -95,7 +95,9 @@ class TaskPool:
             self.cond.notify_all()
             return None
 
-    def put_chunk(self, epoch: int, round_no: int, step: int, chunk: int, t: torch.Tensor) -> str | None:
+    def put_chunk(
+        self, epoch: int, round_no: int, step: int, chunk: int, t: torch.Tensor
+    ) -> str | None:
         """Add an all-reduce chunk; returns why it was dropped, or None."""
         with self.cond:
             stale = self._fresh(epoch, round_no)

@@ -35,16 +35,14 @@ def parse_action(text: str) -> Action:
     for kind in ("F", "B"):
         stage, sep, mb = text.partition(kind)
         if sep:
-            return Action(int(stage), kind, int(mb))  # type: ignore[arg-type]
+            return Action(int(stage), kind, int(mb))
     raise ValueError(f"not an action: {text!r}")
 
 
 def schedule(stage: int, k: int, m: int, policy: str = "1f1b") -> list[Action]:
     """Canonical action order of `stage` with K_p=`k` warm-up forwards and `m` micro-batches."""
     if policy == "gpipe":
-        return [Action(stage, "F", j) for j in range(m)] + [
-            Action(stage, "B", j) for j in range(m)
-        ]
+        return [Action(stage, "F", j) for j in range(m)] + [Action(stage, "B", j) for j in range(m)]
     if policy != "1f1b":
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     warm = min(k, m)

@@ -8,8 +8,10 @@ all-reduces gradients inside the group and steps the optimizer once.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,7 +40,9 @@ def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.opt
             params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
         )
     if spec.kind == "adam":
-        return torch.optim.Adam(params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+        return torch.optim.Adam(
+            params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay
+        )
     if spec.kind == "adamw":
         return torch.optim.AdamW(
             params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay
@@ -80,23 +84,28 @@ class StageRunner:
         self.first, self.last = p == 0, p == len(plan.stages) - 1
         self.k = plan.warmup(p)
         self.m = plan.microbatches
+        # the first stage makes its own inputs: all its forwards are always ready
+        self._own_inputs = frozenset(range(self.m))
         spec = plan.stages[p]
         self.start, self.end = spec.start, spec.end
         self.group = [a.device for a in spec.devices]
         self.rank = self.group.index(device)
         self.span = plan.ranges(p)[device]
         self.fwd_routes = (
-            [] if self.last else
-            [r for r in routes(plan.ranges(p), plan.ranges(p + 1)) if r.src == device]
+            []
+            if self.last
+            else [r for r in routes(plan.ranges(p), plan.ranges(p + 1)) if r.src == device]
         )
         self.bwd_routes = (
-            [] if self.first else
-            [r for r in routes(plan.ranges(p - 1), plan.ranges(p)) if r.dst == device]
+            []
+            if self.first
+            else [r for r in routes(plan.ranges(p - 1), plan.ranges(p)) if r.dst == device]
         )
         zoo = build_model(assign.job.model, assign.job.seed)
         self.module = zoo.stage(self.start, self.end)
-        weights, optim_state = load_stage(store, assign.job.job_id, assign.from_round,
-                                          self.start, self.end)
+        weights, optim_state = load_stage(
+            store, assign.job.job_id, assign.from_round, self.start, self.end
+        )
         self.module.load_state_dict(weights)
         self.module.train()
         self.optimizer = make_optimizer(list(self.module.parameters()), assign.job.optimizer)
@@ -128,19 +137,9 @@ class StageRunner:
         policy = self.assign.job.policy
         while done_b < self.m:
             w0 = time.perf_counter()
-
-            def decide(nf: int = next_f) -> Action | None:
-                view = PoolView(
-                    next_forward=nf,
-                    alive=len(ctx),
-                    forward_ready=frozenset(range(self.m)) if self.first
-                    else self.pool.ready(round_no, "F"),
-                    backward_ready=frozenset(ctx) if self.last
-                    else self.pool.ready(round_no, "B"),
-                )
-                return next_task(view, self.p, self.k, self.m, policy)
-
-            action = self.pool.wait(decide, self.timeout, lambda: self._waiting_for(next_f, ctx))
+            decide = functools.partial(self._decide, round_no, next_f, ctx, policy)
+            what = functools.partial(self._waiting_for, next_f, ctx)
+            action = self.pool.wait(decide, self.timeout, what)
             c0 = time.perf_counter()
             t["wait_s"] += c0 - w0
             if action.kind == "F":
@@ -162,6 +161,18 @@ class StageRunner:
         res.timings = t
         self.round = round_no + 1
         return res
+
+    def _decide(
+        self, round_no: int, next_f: int, ctx: dict[int, Any], policy: str
+    ) -> Action | None:
+        """Ask the pure scheduler what to run now (called under the pool's lock)."""
+        view = PoolView(
+            next_forward=next_f,
+            alive=len(ctx),
+            forward_ready=self._own_inputs if self.first else self.pool.ready(round_no, "F"),
+            backward_ready=frozenset(ctx) if self.last else self.pool.ready(round_no, "B"),
+        )
+        return next_task(view, self.p, self.k, self.m, policy)
 
     def _waiting_for(self, next_f: int, ctx: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> str:
         if ctx and not self.last:
@@ -187,28 +198,33 @@ class StageRunner:
             return x, loss
         sent = out.detach()
         for r in self.fwd_routes:
-            msg = Activation(epoch=self.epoch, round=round_no, mb=mb, stage=self.p + 1,
-                             lo=r.lo, hi=r.hi)
+            msg = Activation(
+                epoch=self.epoch, round=round_no, mb=mb, stage=self.p + 1, lo=r.lo, hi=r.hi
+            )
             self.out.send(r.dst, msg, [sent[r.lo - lo : r.hi - lo], y[r.lo - lo : r.hi - lo]])
         return x, out
 
     def _backward(self, round_no: int, mb: int, x: torch.Tensor, out: torch.Tensor) -> None:
         if self.last:
-            out.backward()
+            out.backward()  # type: ignore[no-untyped-call]
         else:
             (grad,) = self.pool.take(round_no, "B", mb)
-            out.backward(grad)
+            out.backward(grad)  # type: ignore[no-untyped-call]
         if self.first or x.grad is None:
             return
         lo = self.span[0]
         for r in self.bwd_routes:
-            msg = Gradient(epoch=self.epoch, round=round_no, mb=mb, stage=self.p - 1,
-                           lo=r.lo, hi=r.hi)
+            msg = Gradient(
+                epoch=self.epoch, round=round_no, mb=mb, stage=self.p - 1, lo=r.lo, hi=r.hi
+            )
             self.out.send(r.src, msg, [x.grad[r.lo - lo : r.hi - lo]])
 
     def _allreduce(self, round_no: int) -> None:
-        """Sum gradients over the group; average float buffers (batch-norm statistics)
-        weighted by each replica's samples, so replicas stay identical."""
+        """Sum gradients over the group, and average float buffers.
+
+        Buffers (batch-norm statistics) are weighted by each replica's samples so
+        that replicas stay identical.
+        """
         if len(self.group) == 1:
             return
         params = list(self.module.parameters())
@@ -221,8 +237,9 @@ class StageRunner:
         nxt = self.group[(self.rank + 1) % len(self.group)]
 
         def send(step: int, chunk: int, tensor: torch.Tensor) -> None:
-            msg = ReduceChunk(epoch=self.epoch, round=round_no, stage=self.p, step=step,
-                              chunk=chunk)
+            msg = ReduceChunk(
+                epoch=self.epoch, round=round_no, stage=self.p, step=step, chunk=chunk
+            )
             self.out.send(nxt, msg, [tensor])
 
         def recv(step: int, chunk: int) -> torch.Tensor:
@@ -244,5 +261,6 @@ class StageRunner:
 
     def save(self, round_no: int) -> list[int]:
         """Write this stage's layers and optimizer state as checkpoint `round_no`."""
-        return save_stage(self.store, self.assign.job.job_id, round_no, self.module,
-                          self.optimizer, self.start)
+        return save_stage(
+            self.store, self.assign.job.job_id, round_no, self.module, self.optimizer, self.start
+        )

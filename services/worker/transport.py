@@ -1,5 +1,7 @@
-"""The worker's data plane: a receiver thread filling the task pool and a
-dispatcher thread sending results, so communication overlaps compute.
+"""The worker's data plane: a receiver thread and a dispatcher thread.
+
+The receiver fills the task pool; the dispatcher sends results, so that
+communication overlaps compute.
 
 Each thread owns its sockets (ZeroMQ sockets are not thread-safe). A bad frame
 is logged with the peer that sent it and dropped; the receiver keeps running.
@@ -47,7 +49,9 @@ class Receiver(threading.Thread):
                     peer, env = recv_message(self.sock, self.limits, routed=True)
                 except ProtocolError as exc:
                     self.bad_messages += 1
-                    log.warning("dropped bad data-plane message", peer=exc.sender, reason=exc.reason)
+                    log.warning(
+                        "dropped bad data-plane message", peer=exc.sender, reason=exc.reason
+                    )
                     continue
                 self._deliver(peer, env)
         finally:

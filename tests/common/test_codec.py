@@ -22,9 +22,9 @@ def pair():
     ctx.term()
 
 
-def _recv(router, limits=Limits()):
+def _recv(router, limits=None):
     assert router.poll(2000)
-    return recv_message(router, limits, routed=True)
+    return recv_message(router, limits or Limits(), routed=True)
 
 
 def test_roundtrip_with_tensors(pair):
@@ -58,8 +58,14 @@ def test_non_contiguous_slice_is_sent_correctly(pair):
 
 
 def _header(**over):
-    h = {"v": 1, "sender": "x", "id": 1, "t": 0.0, "msg": {"type": "run_round", "epoch": 1, "round": 0},
-         "tensors": []}
+    h = {
+        "v": 1,
+        "sender": "x",
+        "id": 1,
+        "t": 0.0,
+        "msg": {"type": "run_round", "epoch": 1, "round": 0},
+        "tensors": [],
+    }
     h.update(over)
     return msgpack.packb(h, use_bin_type=True)
 

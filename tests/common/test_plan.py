@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,8 +23,8 @@ HPP = [
 def test_split_ranges_cover_exactly(total, shares):
     spans = split_ranges(total, shares)
     assert spans[0][0] == 0 and spans[-1][1] == total
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    for (lo, hi), s in zip(spans, shares):
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    for (lo, hi), s in zip(spans, shares, strict=True):
         assert abs((hi - lo) - total * s / sum(shares)) < 1
 
 
@@ -34,7 +36,10 @@ def test_five_three_split():
     p.validate_for(8)
 
 
-@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.lists(st.integers(1, 9), min_size=1, max_size=4))
+@given(
+    st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    st.lists(st.integers(1, 9), min_size=1, max_size=4),
+)
 def test_routes_partition_samples(a, b):
     n = 40
     s = {f"s{i}": r for i, r in enumerate(split_ranges(n, a))}
@@ -52,12 +57,33 @@ def test_routes_partition_samples(a, b):
     [
         (HPP, 9, "model has 9"),
         ([{"start": 1, "end": 8, "devices": [{"device": "a"}]}], 8, "starting at 0"),
-        ([{"start": 0, "end": 4, "devices": [{"device": "a"}]},
-          {"start": 4, "end": 8, "devices": [{"device": "a"}]}], 8, "more than one place"),
-        ([{"start": 0, "end": 8, "devices": [{"device": "a", "share": 1}, {"device": "b", "share": 100}]}],
-         8, "device a in stage 0 gets no sample"),
-        ([{"start": 0, "end": 4, "devices": [{"device": "a"}], "warmup": 1},
-          {"start": 4, "end": 8, "devices": [{"device": "b"}], "warmup": 3}], 8, "deadlock"),
+        (
+            [
+                {"start": 0, "end": 4, "devices": [{"device": "a"}]},
+                {"start": 4, "end": 8, "devices": [{"device": "a"}]},
+            ],
+            8,
+            "more than one place",
+        ),
+        (
+            [
+                {
+                    "start": 0,
+                    "end": 8,
+                    "devices": [{"device": "a", "share": 1}, {"device": "b", "share": 100}],
+                }
+            ],
+            8,
+            "device a in stage 0 gets no sample",
+        ),
+        (
+            [
+                {"start": 0, "end": 4, "devices": [{"device": "a"}], "warmup": 1},
+                {"start": 4, "end": 8, "devices": [{"device": "b"}], "warmup": 3},
+            ],
+            8,
+            "deadlock",
+        ),
     ],
 )
 def test_invalid_plans_name_the_problem(stages, layers, match):

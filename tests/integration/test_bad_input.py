@@ -27,8 +27,14 @@ ROUNDS = 30
 
 
 def _header(**over):
-    h = {"v": 1, "sender": "intruder", "id": 1, "t": 0.0,
-         "msg": {"type": "run_round", "epoch": 1, "round": 0}, "tensors": []}
+    h = {
+        "v": 1,
+        "sender": "intruder",
+        "id": 1,
+        "t": 0.0,
+        "msg": {"type": "run_round", "epoch": 1, "round": 0},
+        "tensors": [],
+    }
     h.update(over)
     return msgpack.packb(h, use_bin_type=True)
 
@@ -40,8 +46,11 @@ BAD = {
     "unknown type": [_header(msg={"type": "format_disk", "epoch": 1})],
     "wrong version": [_header(v=7)],
     # well-formed but from a plan epoch that does not exist: dropped by the pool
-    "stale epoch": encode(Activation(epoch=999, round=3, mb=0, stage=1, lo=0, hi=8), "intruder",
-                          [torch.zeros(8, 4), torch.zeros(8, dtype=torch.int64)]),
+    "stale epoch": encode(
+        Activation(epoch=999, round=3, mb=0, stage=1, lo=0, hi=8),
+        "intruder",
+        [torch.zeros(8, 4), torch.zeros(8, dtype=torch.int64)],
+    ),
 }
 
 
@@ -67,8 +76,13 @@ def _blast(ctx: zmq.Context, addr: str) -> None:
 def test_bad_messages_mid_round_are_logged_and_survived(tmp_path, redis_url, cluster_name):
     cluster = LocalCluster(tmp_path, redis_url, cluster_name)
     stages = PLANS["hybrid"]
-    job = {"job_id": "bad", "model": {"name": "small_cnn"}, "seed": 7, "rounds": ROUNDS,
-           "optimizer": SGD}
+    job = {
+        "job_id": "bad",
+        "model": {"name": "small_cnn"},
+        "seed": 7,
+        "rounds": ROUNDS,
+        "optimizer": SGD,
+    }
     plan = {"global_batch": 32, "microbatches": 4, "stages": stages}
     store = Store(redis_url, cluster_name)
     ctx = zmq.Context()
@@ -92,8 +106,11 @@ def test_bad_messages_mid_round_are_logged_and_survived(tmp_path, redis_url, clu
     assert max(float((weights[k] - ref[k]).abs().max()) for k in ref) < 1e-5
 
     def drops(name: str) -> list[dict]:
-        return [e for e in cluster.log_events(name)
-                if e.get("event", "").startswith("dropped") and e.get("peer") == "intruder"]
+        return [
+            e
+            for e in cluster.log_events(name)
+            if e.get("event", "").startswith("dropped") and e.get("peer") == "intruder"
+        ]
 
     worker_drops = drops("c")
     assert len(worker_drops) == len(BAD), worker_drops

@@ -26,11 +26,16 @@ def test_mobilenet_v2_loss_curve_within_tolerance(tmp_path, redis_url, cluster_n
     n = len(build_model(ModelSpec.model_validate(MODEL), 7).layers)
     cut = n // 2
     stages = [
-        {"start": 0, "end": cut, "devices": [{"device": "a", "share": 5}, {"device": "b", "share": 3}]},
+        {
+            "start": 0,
+            "end": cut,
+            "devices": [{"device": "a", "share": 5}, {"device": "b", "share": 3}],
+        },
         {"start": cut, "end": n, "devices": [{"device": "c"}]},
     ]
-    _, _, metrics = run_job(tmp_path, redis_url, cluster_name, MODEL, stages, rounds=5, m=4,
-                            batch=32, optimizer=OPT)
+    _, _, metrics = run_job(
+        tmp_path, redis_url, cluster_name, MODEL, stages, rounds=5, m=4, batch=32, optimizer=OPT
+    )
     _, ref = reference_train(MODEL, 7, 32, 5, OPT)
     losses = [m["loss"] for m in metrics]
     diffs = [abs(a - b) for a, b in zip(losses, ref, strict=True)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from common.checkpoint import load_full_state
 from common.store import Store
@@ -22,9 +21,13 @@ pytestmark = pytest.mark.integration
 SGD = {"kind": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
 
 
-def stage(start: int, end: int, *devices: str | tuple[str, int], warmup: int | None = None) -> dict[str, Any]:
-    allocs = [{"device": d, "share": 1} if isinstance(d, str) else {"device": d[0], "share": d[1]}
-              for d in devices]
+def stage(
+    start: int, end: int, *devices: str | tuple[str, int], warmup: int | None = None
+) -> dict[str, Any]:
+    allocs = [
+        {"device": d, "share": 1} if isinstance(d, str) else {"device": d[0], "share": d[1]}
+        for d in devices
+    ]
     out: dict[str, Any] = {"start": start, "end": end, "devices": allocs}
     if warmup is not None:
         out["warmup"] = warmup
@@ -39,12 +42,29 @@ PLANS = {
 }
 
 
-def run_job(tmp_path, redis_url, cluster_name, model, stages, rounds=5, m=4, batch=32,
-            optimizer=SGD, policy="1f1b", inject=None):
+def run_job(
+    tmp_path,
+    redis_url,
+    cluster_name,
+    model,
+    stages,
+    rounds=5,
+    m=4,
+    batch=32,
+    optimizer=SGD,
+    policy="1f1b",
+    inject=None,
+):
     cluster = LocalCluster(tmp_path, redis_url, cluster_name)
     devices = [a["device"] for s in stages for a in s["devices"]]
-    job = {"job_id": "eq", "model": model, "seed": 7, "rounds": rounds, "optimizer": optimizer,
-           "policy": policy}
+    job = {
+        "job_id": "eq",
+        "model": model,
+        "seed": 7,
+        "rounds": rounds,
+        "optimizer": optimizer,
+        "policy": policy,
+    }
     plan = {"global_batch": batch, "microbatches": m, "stages": stages}
     try:
         cluster.start_workers(devices)

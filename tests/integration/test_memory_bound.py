@@ -19,8 +19,17 @@ M = 8
 @pytest.mark.parametrize("policy", ["1f1b", "gpipe"])
 def test_activations_alive_bounded_by_policy(tmp_path, redis_url, cluster_name, policy):
     stages = PLANS["pipeline"]
-    _, _, metrics = run_job(tmp_path, redis_url, cluster_name, {"name": "small_cnn"}, stages,
-                            rounds=2, m=M, batch=32, policy=policy)
+    _, _, metrics = run_job(
+        tmp_path,
+        redis_url,
+        cluster_name,
+        {"name": "small_cnn"},
+        stages,
+        rounds=2,
+        m=M,
+        batch=32,
+        policy=policy,
+    )
     s = len(stages)
     for entry in metrics:
         for dev in entry["devices"].values():

@@ -13,9 +13,15 @@ def test_task_ready_when_parts_cover_range_and_concatenates_in_order():
     pool = TaskPool()
     pool.reset(epoch=3, span=(2, 8))
     pool.begin_round(0)
-    assert pool.put_part(3, 0, "F", 1, Part(5, 8, [torch.full((3, 2), 2.0), torch.tensor([5, 6, 7])])) is None
+    assert (
+        pool.put_part(3, 0, "F", 1, Part(5, 8, [torch.full((3, 2), 2.0), torch.tensor([5, 6, 7])]))
+        is None
+    )
     assert pool.ready(0, "F") == frozenset()
-    assert pool.put_part(3, 0, "F", 1, Part(2, 5, [torch.full((3, 2), 1.0), torch.tensor([2, 3, 4])])) is None
+    assert (
+        pool.put_part(3, 0, "F", 1, Part(2, 5, [torch.full((3, 2), 1.0), torch.tensor([2, 3, 4])]))
+        is None
+    )
     assert pool.ready(0, "F") == {1}
     x, y = pool.take(0, "F", 1)
     assert y.tolist() == [2, 3, 4, 5, 6, 7] and x[:3].eq(1).all() and x[3:].eq(2).all()

@@ -20,7 +20,7 @@ def k_of(p, s, m):
 def simulate_dynamic(s, m, policy, ks=None):
     """Run every stage's next_task until done; returns per-stage traces and peak alive."""
     ks = ks or [k_of(p, s, m) for p in range(s)]
-    fwd_done = [set() for _ in range(s)]   # F done on stage p
+    fwd_done = [set() for _ in range(s)]  # F done on stage p
     bwd_done = [set() for _ in range(s)]
     nf = [0] * s
     alive = [set() for _ in range(s)]
@@ -33,8 +33,12 @@ def simulate_dynamic(s, m, policy, ks=None):
             view = PoolView(
                 next_forward=nf[p],
                 alive=len(alive[p]),
-                forward_ready=frozenset(range(m)) if p == 0 else frozenset(fwd_done[p - 1]) - fwd_done[p],
-                backward_ready=frozenset(alive[p]) if p == s - 1 else frozenset(bwd_done[p + 1]) & alive[p],
+                forward_ready=frozenset(range(m))
+                if p == 0
+                else frozenset(fwd_done[p - 1]) - fwd_done[p],
+                backward_ready=frozenset(alive[p])
+                if p == s - 1
+                else frozenset(bwd_done[p + 1]) & alive[p],
             )
             a = next_task(view, p, ks[p], m, policy)
             if a is None:
@@ -63,7 +67,7 @@ def test_dynamic_1f1b_respects_k_and_finishes(s, m):
 
 @given(st.integers(1, 6), st.integers(1, 12))
 def test_dynamic_gpipe_holds_all_m(s, m):
-    trace, peak = simulate_dynamic(s, m, "gpipe")
+    _, peak = simulate_dynamic(s, m, "gpipe")
     assert peak == [m] * s
 
 

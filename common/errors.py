@@ -10,6 +10,7 @@ __all__ = [
     "ConfigError",
     "PlanError",
     "ProtocolError",
+    "RoundAbortedError",
     "RoundTimeoutError",
     "StoreError",
 ]
@@ -42,6 +43,10 @@ class StoreError(AsteroidError):
 
 class CheckpointError(StoreError):
     """A checkpoint is missing, incomplete or does not match the model."""
+
+
+class RoundAbortedError(AsteroidError):
+    """The coordinator replaced the plan or stopped the worker while a round waited."""
 
 
 class RoundTimeoutError(AsteroidError):

@@ -75,7 +75,10 @@ class CoordinatorSettings(CommonSettings):
         6, ge=1, description="Missed heartbeats after which a worker is declared dead."
     )
     job: Path | None = Field(None, description="Job spec (YAML) to run at start.")
-    plan: Path | None = Field(None, description="Plan (JSON/YAML) for --job.")
+    plan: str | None = Field(
+        None, description="Plan for --job: a JSON/YAML file, or `redis` for the job's stored plan."
+    )
+    resume: bool = Field(False, description="Continue --job from its newest committed checkpoint.")
     shutdown_workers: bool = Field(
         False, description="Tell the workers to exit when the --job finishes."
     )

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 from enum import IntEnum
 
+from pydantic import ValidationError
 from pydantic_settings import CliApp
 
 from common.errors import AsteroidError, ConfigError
 from common.job import load_job
 from common.logging import configure_logging, get_logger
-from common.plan import load_plan
+from common.plan import Plan, load_plan
 from common.settings import CoordinatorSettings
 from services.coordinator.service import Coordinator
 
@@ -37,6 +39,19 @@ def _interrupt(signum: int, _: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+def _plan(coord: Coordinator, source: str, job_id: str) -> Plan:
+    """The plan from a file, or (`redis`) the one stored for the job."""
+    if source != "redis":
+        return load_plan(Path(source))
+    data = coord.store.get_json("plan", job_id)
+    if data is None:
+        raise ConfigError(f"no plan stored in Redis for job {job_id}")
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"plan stored for job {job_id} is invalid: {exc}") from exc
+
+
 def run(settings: CoordinatorSettings) -> ExitCode:
     """Run the coordinator as configured; returns the exit code."""
     if (settings.job is None) != (settings.plan is None):
@@ -44,17 +59,17 @@ def run(settings: CoordinatorSettings) -> ExitCode:
         return ExitCode.CONFIG
     try:
         job = load_job(settings.job) if settings.job else None
-        plan = load_plan(settings.plan) if settings.plan else None
     except ConfigError as exc:
         log.error("invalid input", error=str(exc))
         return ExitCode.CONFIG
     coord = Coordinator(settings)
     log.info("coordinator listening", bind=coord.endpoint)
     try:
+        plan = _plan(coord, settings.plan, job.job_id) if job and settings.plan else None
         if job is None or plan is None:
             while True:
                 coord.pump(1.0)
-        summary = coord.run_job(job, plan)
+        summary = coord.run_job(job, plan, resume=settings.resume)
         log.info("job finished", job=summary.job_id, losses=[round(x, 4) for x in summary.losses])
         return ExitCode.OK
     except ConfigError as exc:

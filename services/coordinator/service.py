@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from common.checkpoint import commit_checkpoint, save_stage
+from common.checkpoint import commit_checkpoint, latest_round, save_stage
 from common.codec import Limits, recv_message, send_message
 from common.errors import AsteroidError, ProtocolError
 from common.ids import DeviceId
@@ -176,8 +176,12 @@ class Coordinator:
 
     # --- jobs -------------------------------------------------------------------
 
-    def run_job(self, job: JobSpec, plan: Plan) -> JobSummary:
-        """Run `job` with `plan` from round 0 to the end; raises JobFailed."""
+    def run_job(self, job: JobSpec, plan: Plan, resume: bool = False) -> JobSummary:
+        """Run `job` with `plan` to its last round; raises JobFailed.
+
+        With `resume`, start from the job's newest committed checkpoint (possibly
+        written under another plan): workers are re-assigned, not restarted.
+        """
         jid = job.job_id
         bind_global(job=jid)
         zoo = build_model(job.model, job.seed)
@@ -185,7 +189,7 @@ class Coordinator:
         self.store.put_json(plan.model_dump(mode="json"), "plan", jid)
         self._job_state(jid, "submitted")
         try:
-            return self._drive(job, plan, zoo.full())
+            return self._drive(job, plan, zoo.full(), resume)
         except AsteroidError as exc:
             self._job_state(jid, "failed", error=str(exc))
             raise
@@ -195,58 +199,75 @@ class Coordinator:
         self.store.append("events", jid, {"event": state, **extra})
         log.info("job state", state=state, **extra)
 
-    def _drive(self, job: JobSpec, plan: Plan, model: Any) -> JobSummary:
+    def _drive(self, job: JobSpec, plan: Plan, model: Any, resume: bool) -> JobSummary:
         jid, devices = job.job_id, plan.devices
         s = self.settings
         self.wait_for_devices(devices, s.join_timeout_s)
-        save_stage(self.store, jid, 0, model, None, 0)
-        commit_checkpoint(self.store, jid, 0, len(model))
-        epoch = int(self.store.r.incr(self.store.key("epoch")))
-        peers = {str(d): self.members[d].info.data_addr for d in devices}
-        for d in devices:
-            self.send(
-                d,
-                Assign(
-                    epoch=epoch,
-                    job=job,
-                    plan=plan,
-                    stage=plan.stage_of(d),
-                    peers=peers,
-                    from_round=0,
-                    store_url=s.redis_url,
-                    cluster=s.cluster,
-                ),
-            )
-        self.gather(Assigned, devices, epoch, 0, s.round_timeout_s)
-        self._job_state(jid, "running", epoch=epoch)
+        start = latest_round(self.store, jid) if resume else None
+        if start is None:
+            start = 0
+            save_stage(self.store, jid, 0, model, None, 0)
+            commit_checkpoint(self.store, jid, 0, len(model))
+        elif start >= job.rounds:
+            raise JobFailed(f"job {jid} already has a checkpoint of round {start} >= {job.rounds}")
+        epoch = self._assign_all(job, plan, start)
+        self._job_state(jid, "running", epoch=epoch, round=start)
         summary = JobSummary(job_id=jid, rounds=job.rounds)
-        leaders = [st.devices[0].device for st in plan.stages]
-        last = [a.device for a in plan.stages[-1].devices]
-        for r in range(job.rounds):
+        every = job.checkpoint_every
+        for r in range(start, job.rounds):
             bind_global(round=r)
-            t0 = time.perf_counter()
-            for d in devices:
-                self.send(d, RunRound(epoch=epoch, round=r))
-            done = self.gather(RoundDone, devices, epoch, r, s.round_timeout_s)
-            elapsed = time.perf_counter() - t0
-            loss = sum(done[d].loss_sum for d in last)
-            acc = sum(done[d].correct for d in last) / plan.global_batch
-            self._commit_round(jid, r, epoch, loss, acc, elapsed, plan, done)
-            summary.losses.append(loss)
-            summary.accuracies.append(acc)
-            summary.round_s.append(elapsed)
-            for d, msg in done.items():
-                summary.max_alive[d] = max(summary.max_alive.get(d, 0), msg.max_alive)
-            every = job.checkpoint_every
+            self._round(job, plan, epoch, r, summary)
             if r + 1 == job.rounds or (every and (r + 1) % every == 0):
-                for d in leaders:
-                    self.send(d, SaveCheckpoint(epoch=epoch, round=r + 1))
-                self.gather(CheckpointSaved, leaders, epoch, r + 1, s.round_timeout_s)
-                commit_checkpoint(self.store, jid, r + 1, len(model))
+                self._checkpoint(jid, plan, epoch, r + 1, len(model))
                 summary.checkpoints.append(r + 1)
-                self.store.append("events", jid, {"event": "checkpoint", "round": r + 1})
         self._job_state(jid, "finished", round=job.rounds)
         return summary
+
+    def _assign_all(self, job: JobSpec, plan: Plan, start: int) -> int:
+        """Give every device its stage under a new plan epoch; returns the epoch."""
+        s = self.settings
+        epoch = int(self.store.r.incr(self.store.key("epoch")))
+        peers = {str(d): self.members[d].info.data_addr for d in plan.devices}
+        for d in plan.devices:
+            msg = Assign(
+                epoch=epoch,
+                job=job,
+                plan=plan,
+                stage=plan.stage_of(d),
+                peers=peers,
+                from_round=start,
+                store_url=s.redis_url,
+                cluster=s.cluster,
+            )
+            self.send(d, msg)
+        self.gather(Assigned, plan.devices, epoch, start, s.round_timeout_s)
+        return epoch
+
+    def _round(self, job: JobSpec, plan: Plan, epoch: int, r: int, summary: JobSummary) -> None:
+        """Run round `r` on every device and commit it."""
+        t0 = time.perf_counter()
+        for d in plan.devices:
+            self.send(d, RunRound(epoch=epoch, round=r))
+        done = self.gather(RoundDone, plan.devices, epoch, r, self.settings.round_timeout_s)
+        elapsed = time.perf_counter() - t0
+        last = [a.device for a in plan.stages[-1].devices]
+        loss = sum(done[d].loss_sum for d in last)
+        acc = sum(done[d].correct for d in last) / plan.global_batch
+        self._commit_round(job.job_id, r, epoch, loss, acc, elapsed, plan, done)
+        summary.losses.append(loss)
+        summary.accuracies.append(acc)
+        summary.round_s.append(elapsed)
+        for d, msg in done.items():
+            summary.max_alive[d] = max(summary.max_alive.get(d, 0), msg.max_alive)
+
+    def _checkpoint(self, jid: str, plan: Plan, epoch: int, round_no: int, layers: int) -> None:
+        """Have each stage's leader write its layers, then commit checkpoint `round_no`."""
+        leaders = [st.devices[0].device for st in plan.stages]
+        for d in leaders:
+            self.send(d, SaveCheckpoint(epoch=epoch, round=round_no))
+        self.gather(CheckpointSaved, leaders, epoch, round_no, self.settings.round_timeout_s)
+        commit_checkpoint(self.store, jid, round_no, layers)
+        self.store.append("events", jid, {"event": "checkpoint", "round": round_no})
 
     def _commit_round(
         self,

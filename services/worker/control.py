@@ -17,7 +17,7 @@ import zmq
 from common.codec import Envelope, Limits, encode, recv_message
 from common.errors import ProtocolError
 from common.logging import get_logger
-from common.messages import Heartbeat, Message
+from common.messages import Assign, Heartbeat, Message, Shutdown
 from common.sockets import connect_dealer
 
 __all__ = ["ControlLink"]
@@ -37,10 +37,12 @@ class ControlLink(threading.Thread):
         limits: Limits,
         heartbeat_s: float,
         heartbeat: Callable[[], Heartbeat],
+        on_preempt: Callable[[str], None],
     ) -> None:
         super().__init__(name="control", daemon=True)
         self.ctx, self.coordinator, self.device = ctx, coordinator, device
         self.limits, self.heartbeat_s, self.heartbeat = limits, heartbeat_s, heartbeat
+        self.on_preempt = on_preempt
         self.inbox: queue.Queue[Envelope] = queue.Queue()
         self.stop = threading.Event()
         self._pull = ctx.socket(zmq.PULL)
@@ -79,6 +81,9 @@ class ControlLink(threading.Thread):
                             "dropped bad control message", peer="coordinator", reason=exc.reason
                         )
                         continue
+                    if isinstance(env.msg, Assign | Shutdown):
+                        # a round blocked on a dead peer must not delay these
+                        self.on_preempt(f"{env.msg.type} received")
                     self.inbox.put(env)
         finally:
             sock.close(0)

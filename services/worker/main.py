@@ -85,6 +85,7 @@ class Worker:
             self.limits,
             settings.heartbeat_s,
             self._heartbeat,
+            self.pool.abort,
         )
         self.runner: StageRunner | None = None
         self.state = "idle"

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from common.errors import RoundTimeoutError
+from common.errors import RoundAbortedError, RoundTimeoutError
 
 __all__ = ["Part", "TaskPool"]
 
@@ -49,6 +49,13 @@ class TaskPool:
         self._slots: dict[tuple[int, str, int], _Slot] = {}
         self._chunks: dict[tuple[int, int, int], torch.Tensor] = {}
         self.dropped = 0
+        self.aborted: str | None = None
+
+    def abort(self, reason: str) -> None:
+        """Make the current and next waits fail at once (until the next reset)."""
+        with self.cond:
+            self.aborted = reason
+            self.cond.notify_all()
 
     @property
     def need(self) -> int:
@@ -59,6 +66,7 @@ class TaskPool:
         """Start plan epoch `epoch`; a task is complete when parts cover `span`."""
         with self.cond:
             self.epoch, self.round, self.span = epoch, -1, span
+            self.aborted = None
             self._slots.clear()
             self._chunks.clear()
 
@@ -131,6 +139,8 @@ class TaskPool:
         deadline = time.monotonic() + timeout_s
         with self.cond:
             while True:
+                if self.aborted is not None:
+                    raise RoundAbortedError(self.aborted)
                 result = decide()
                 if result is not None:
                     return result

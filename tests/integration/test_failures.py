@@ -1,0 +1,52 @@
+"""A dead peer: the job fails with an error naming it, quickly, and nothing hangs."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from common.store import Store
+from services.coordinator.main import ExitCode
+from tests.cluster import LocalCluster
+from tests.integration.test_equivalence import PLANS, SGD
+
+pytestmark = pytest.mark.integration
+
+
+def test_killed_worker_fails_job_naming_it(tmp_path, redis_url, cluster_name):
+    cluster = LocalCluster(tmp_path, redis_url, cluster_name)
+    job = {
+        "job_id": "dead",
+        "model": {"name": "small_cnn"},
+        "seed": 7,
+        "rounds": 1000,
+        "optimizer": SGD,
+    }
+    plan = {"global_batch": 32, "microbatches": 4, "stages": PLANS["hybrid"]}
+    store = Store(redis_url, cluster_name)
+    try:
+        cluster.start_workers(["a", "b", "c", "d", "e"])
+        proc = cluster.start_coordinator(job, plan)
+        deadline = time.monotonic() + 120
+        while store.get_fields("job", "dead").get("round", 0) < 2:
+            assert time.monotonic() < deadline, cluster.log("coordinator")
+            time.sleep(0.05)
+        cluster.procs["c"].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert proc.wait(timeout=60) == ExitCode.JOB_FAILED
+        detect_s = time.monotonic() - killed_at
+        state = store.get_fields("job", "dead")
+        # the other workers were told to shut down and do so although their round
+        # was blocked waiting for c
+        for name in ("a", "b", "d", "e"):
+            assert cluster.procs[name].wait(timeout=20) == 0, cluster.log(name)
+    finally:
+        cluster.close()
+        store.close()
+    assert state["state"] == "failed"
+    assert "['c']" in state["error"] and "heartbeat" in state["error"], state
+    assert detect_s < 30
+    committed = state["round"]
+    assert 2 <= committed < 1000

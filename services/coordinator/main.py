@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import signal
 import sys
-from pathlib import Path
 from enum import IntEnum
+from pathlib import Path
 
 from pydantic import ValidationError
 from pydantic_settings import CliApp

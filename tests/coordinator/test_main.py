@@ -36,7 +36,8 @@ def test_plan_that_does_not_fit_model_is_a_config_error(tmp_path, settings, caps
     job.write_text("job_id: j\nmodel: {name: small_cnn}\n")
     plan = tmp_path / "plan.yaml"
     plan.write_text(
-        "global_batch: 8\nmicrobatches: 2\nstages:\n  - {start: 0, end: 3, devices: [{device: a}]}\n"
+        "global_batch: 8\nmicrobatches: 2\n"
+        "stages:\n  - {start: 0, end: 3, devices: [{device: a}]}\n"
     )
     assert run(settings(job=job, plan=str(plan))) == ExitCode.CONFIG
     assert "stages cover layers [0, 3); the model has 7" in "".join(capsys.readouterr())

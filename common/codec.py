@@ -2,9 +2,10 @@
 
 Sending hands tensor memory to ZeroMQ without a copy; receiving reads the
 header first, checks every announced size against the limits, and only then
-receives each tensor frame straight into a freshly allocated tensor
-(`recv_into`), so a hostile header cannot make us allocate 100 GB and a
-truncated or oversized frame is detected, drained and reported.
+receives each tensor frame (large ones wrapped in place, small ones into a
+fresh tensor), so a hostile header cannot make us allocate 100 GB, ZeroMQ's
+MAXMSGSIZE bounds any frame, and a truncated or oversized frame is detected,
+drained and reported.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 _IDS = itertools.count(1)
+ZERO_COPY_MIN_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,8 @@ def _parse_header(raw: bytes, peer: str, limits: Limits) -> tuple[dict[str, Any]
     return header, msg
 
 
-def _alloc(meta: Any, peer: str, limits: Limits) -> torch.Tensor:
-    """Allocate the tensor a header announces, after checking it is sane and bounded."""
+def _describe(meta: Any, peer: str, limits: Limits) -> tuple[torch.dtype, list[int], int]:
+    """Check a header's tensor descriptor: known dtype, sane shape, bounded size."""
     if not (isinstance(meta, list) and len(meta) == 3):
         raise ProtocolError(f"bad tensor descriptor {meta!r}", peer)
     name, shape, nbytes = meta
@@ -163,7 +165,29 @@ def _alloc(meta: Any, peer: str, limits: Limits) -> torch.Tensor:
         raise ProtocolError(
             f"tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}", peer
         )
-    return torch.empty(shape, dtype=dtype)
+    return dtype, shape, nbytes
+
+
+def _recv_tensor(
+    sock: zmq.Socket[Any], dtype: torch.dtype, shape: list[int], nbytes: int, peer: str
+) -> torch.Tensor:
+    """Receive one tensor frame of exactly `nbytes`.
+
+    Large frames are wrapped in place (ZeroMQ already holds them in memory of
+    their own, so copying again would halve throughput); small ones are
+    received into a fresh tensor, which also guarantees alignment.
+    """
+    if nbytes >= ZERO_COPY_MIN_BYTES:
+        frame = sock.recv(copy=False)
+        got = len(frame.buffer)
+        if got == nbytes:
+            return torch.frombuffer(frame.buffer, dtype=dtype).view(shape)
+    else:
+        tensor = torch.empty(shape, dtype=dtype)
+        got = sock.recv_into(_bytes_of(tensor.reshape(-1)))
+        if got == nbytes:
+            return tensor
+    raise ProtocolError(f"tensor frame of {got} bytes, expected {nbytes}", peer)
 
 
 def recv_message(
@@ -186,16 +210,12 @@ def recv_message(
             raise ProtocolError(f"bad tensor list {str(metas)[:80]}", peer)
         tensors: list[torch.Tensor] = []
         for meta in metas:
-            tensor = _alloc(meta, peer, limits)
+            dtype, shape, nbytes = _describe(meta, peer, limits)
             if not sock.getsockopt(zmq.RCVMORE):
                 raise ProtocolError(
                     f"header announces {len(metas)} tensors, got {len(tensors)}", peer
                 )
-            buf = _bytes_of(tensor.reshape(-1))
-            got = sock.recv_into(buf)
-            if got != buf.nbytes:
-                raise ProtocolError(f"tensor frame of {got} bytes, expected {buf.nbytes}", peer)
-            tensors.append(tensor)
+            tensors.append(_recv_tensor(sock, dtype, shape, nbytes, peer))
         if sock.getsockopt(zmq.RCVMORE):
             raise ProtocolError(f"more frames than the {len(metas)} tensors announced", peer)
     except ProtocolError:

@@ -132,8 +132,9 @@ class SyntheticImages:
     ``label = hash(seed, index) % num_classes``; each class has a fixed prototype
     image (unit-variance values, constant on 8x8 pixel cells so that convolutions have
     spatial structure to exploit) and each sample adds independent noise ``noise``
-    times as strong. At the default ``noise=5`` both ``mlp`` and ``small_cnn`` reach
-    over 80% held-out accuracy within about fifty SGD steps of 32 samples.
+    times as strong. At the default ``noise=5``, SGD (lr 0.01, momentum 0.9, batches
+    of 32) takes ``mlp`` and ``small_cnn`` past 80% held-out accuracy in about fifty
+    steps: learnable, yet not solved by the first few steps.
     """
 
     def __init__(

@@ -34,9 +34,16 @@ def ring_allreduce(
         out_i, in_i = (rank - step) % size, (rank - step - 1) % size
         send(step, out_i, chunks[out_i])
         chunks[in_i] += recv(step, in_i)
-    result: list[torch.Tensor] = list(chunks)
+    # All-gather: forward each received chunk as it is (it is never written), and
+    # copy it into the result while the next one is in flight.
+    result = torch.empty_like(flat)
+    parts = list(torch.tensor_split(result, size))
+    own = (rank + 1) % size
+    parts[own].copy_(chunks[own])
+    forward = chunks[own]
     for step in range(size - 1):
         out_i, in_i = (rank + 1 - step) % size, (rank - step) % size
-        send(size - 1 + step, out_i, result[out_i])
-        result[in_i] = recv(size - 1 + step, in_i)
-    return torch.cat(result)
+        send(size - 1 + step, out_i, forward)
+        forward = recv(size - 1 + step, in_i)
+        parts[in_i].copy_(forward)
+    return result

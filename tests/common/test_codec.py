@@ -121,3 +121,16 @@ def test_tensor_limit_before_allocation(pair):
     send_message(dealer, RunRound(epoch=1, round=0), "dev-a", [torch.zeros(1000)])
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         _recv(router, Limits(max_tensor_bytes=100))
+
+
+def test_large_tensor_roundtrip_and_size_mismatch(pair):
+    router, dealer = pair
+    big = torch.randn(300, 1000)  # above the zero-copy threshold
+    send_message(dealer, RunRound(epoch=1, round=0), "dev-a", [big])
+    _, env = _recv(router)
+    assert torch.equal(env.tensors[0], big)
+    env.tensors[0].add_(1)  # received tensors are writable
+    nbytes = 300_000 * 4
+    dealer.send_multipart([_header(tensors=[["float32", [300_000], nbytes]]), b"0" * (nbytes - 4)])
+    with pytest.raises(ProtocolError, match="expected 1200000"):
+        _recv(router)

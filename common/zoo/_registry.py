@@ -1,0 +1,69 @@
+"""Model names, and deterministic construction of a `ZooModel` from a `ModelSpec`."""
+
+from collections.abc import Callable
+
+import torch
+
+from common.errors import ConfigError
+from common.zoo._types import ModelSpec, ZooModel
+from common.zoo.bert import build_bert_small
+from common.zoo.cnn import build_small_cnn
+from common.zoo.custom import build_custom, is_custom_name
+from common.zoo.efficientnet import build_efficientnet_b1
+from common.zoo.mlp import build_mlp
+from common.zoo.mobilenet import build_mobilenet_v2
+from common.zoo.resnet import build_resnet18, build_resnet50
+
+__all__ = ["build_model", "model_names"]
+
+_BUILDERS: dict[str, Callable[[ModelSpec], ZooModel]] = {
+    "bert_small": build_bert_small,
+    "efficientnet_b1": build_efficientnet_b1,
+    "mlp": build_mlp,
+    "mobilenet_v2": build_mobilenet_v2,
+    "resnet18": build_resnet18,
+    "resnet50": build_resnet50,
+    "small_cnn": build_small_cnn,
+}
+
+_MAX_SEED = 2**63 - 1
+
+
+def model_names() -> list[str]:
+    """Return the zoo's model names, sorted."""
+    return sorted(_BUILDERS)
+
+
+def _builder(spec: ModelSpec) -> Callable[[ModelSpec], ZooModel]:
+    if is_custom_name(spec.name):
+        return build_custom
+    try:
+        return _BUILDERS[spec.name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model name {spec.name!r}: expected one of {', '.join(model_names())} "
+            "or 'package.module:factory'"
+        ) from None
+
+
+def build_model(spec: ModelSpec, seed: int) -> ZooModel:
+    """Build the model a spec names, with weights that depend only on ``(spec, seed)``.
+
+    Every worker builds the same initial weights on its own instead of receiving them,
+    and a single-process reference run starts from the same point. The global torch RNG
+    is seeded inside `torch.random.fork_rng`, so the caller's RNG stream is left as it
+    was (which also makes this unsafe to run concurrently with other threads drawing
+    from the global RNG).
+
+    Raises:
+        ConfigError: Unknown model name, bad options, bad ``num_classes`` or ``seed``.
+
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED:
+        raise ConfigError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    if spec.num_classes < 1:
+        raise ConfigError(f"model {spec.name!r}: num_classes must be >= 1, got {spec.num_classes}")
+    builder = _builder(spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return builder(spec)

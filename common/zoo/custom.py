@@ -1,0 +1,144 @@
+"""User models named ``"package.module:factory"``.
+
+The factory takes no arguments and returns either a `ZooModel` (full control over the
+input description) or an ``nn.Sequential`` / list / tuple of modules, each module one
+layer. For the latter the input is described by options, defaulting to CIFAR images:
+
+- ``input_kind``: ``"image"`` (default) or ``"tokens"``;
+- ``input_shape``: per-sample shape as ``"3x32x32"`` or a single int such as ``64``;
+  defaults to ``3x32x32`` for images and ``64`` for tokens;
+- ``vocab_size``: tokens only, default 1000 (the defaults mirror ``bert_small``).
+"""
+
+import importlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from common.errors import ConfigError
+from common.zoo._options import Options
+from common.zoo._types import IMAGE_INPUT, InputSpec, ModelSpec, ZooModel, has_batchnorm
+
+__all__ = ["build_custom", "is_custom_name"]
+
+_INPUT_OPTIONS = frozenset({"input_kind", "input_shape", "vocab_size"})
+
+
+def is_custom_name(name: str) -> bool:
+    """Tell whether a model name points at user code rather than the zoo."""
+    return ":" in name
+
+
+def _load_factory(spec: ModelSpec) -> Callable[[], object]:
+    module_name, _, attr = spec.name.partition(":")
+    if not module_name or not attr or ":" in attr:
+        raise ConfigError(
+            f"custom model {spec.name!r}: name must look like 'package.module:factory'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure is a bad spec, not a crash
+        raise ConfigError(
+            f"custom model {spec.name!r}: cannot import module {module_name!r}: {exc!r}"
+        ) from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(
+            f"custom model {spec.name!r}: module {module_name!r} has no callable {attr!r}"
+        )
+    return factory  # type: ignore[no-any-return]
+
+
+def _input_spec(spec: ModelSpec) -> InputSpec:
+    opts = Options(spec, _INPUT_OPTIONS)
+    kind = opts.get_str("input_kind", "image")
+    if kind not in ("image", "tokens"):
+        raise opts.error("input_kind", "'image' or 'tokens'", kind)
+    if kind == "image":
+        if opts.has("vocab_size"):
+            raise opts.error("vocab_size", "absent for image input", opts.get_raw("vocab_size", 0))
+        if not opts.has("input_shape"):
+            return IMAGE_INPUT
+        return InputSpec(kind="image", shape=_parse_shape(opts), dtype=torch.float32)
+    shape = _parse_shape(opts) if opts.has("input_shape") else (64,)
+    vocab_size = opts.get_int("vocab_size", 1000)
+    return InputSpec(kind="tokens", shape=shape, dtype=torch.int64, vocab_size=vocab_size)
+
+
+def _parse_shape(opts: Options) -> tuple[int, ...]:
+    raw = opts.get_raw("input_shape", "")
+    expected = "a shape like '3x32x32' or a positive int"
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        dims = [str(raw)]
+    elif isinstance(raw, str):
+        dims = raw.lower().split("x")
+    else:
+        raise opts.error("input_shape", expected, raw)
+    if not all(d.strip().isdigit() and int(d) > 0 for d in dims):
+        raise opts.error("input_shape", expected, raw)
+    return tuple(int(d) for d in dims)
+
+
+def _check_no_shared_parameters(spec: ModelSpec, layers: list[nn.Module]) -> None:
+    """Reject tied weights across layers: two stages cannot both own one tensor."""
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            j = owner.setdefault(id(p), i)
+            if j != i:
+                raise ConfigError(
+                    f"custom model {spec.name!r}: layers {j} and {i} share a parameter; "
+                    "each layer must own its parameters so layers can live on different devices"
+                )
+
+
+def _as_layers(result: object) -> list[nn.Module] | None:
+    """Return the layers of a Sequential or a sequence of modules, else None."""
+    if isinstance(result, nn.Sequential):
+        return list(result)
+    if isinstance(result, list | tuple) and all(isinstance(m, nn.Module) for m in result):
+        return list(result)
+    return None
+
+
+def build_custom(spec: ModelSpec) -> ZooModel:
+    """Import and call the factory named by ``spec.name`` and wrap what it returns.
+
+    Raises:
+        ConfigError: The module or factory cannot be loaded, the factory fails, or it
+            returns something other than a ZooModel, an nn.Sequential or a non-empty
+            list/tuple of modules.
+
+    """
+    input_spec = _input_spec(spec)  # option errors surface before user code runs
+    factory = _load_factory(spec)
+    try:
+        result = factory()
+    except Exception as exc:  # the factory is user code; name the spec that ran it
+        raise ConfigError(f"custom model {spec.name!r}: factory raised {exc!r}") from exc
+
+    if isinstance(result, ZooModel):
+        if spec.options:
+            raise ConfigError(
+                f"custom model {spec.name!r}: factory returned a ZooModel, which describes "
+                f"its own input, so options must be empty, got {sorted(spec.options)}"
+            )
+        if result.num_classes != spec.num_classes:
+            raise ConfigError(
+                f"custom model {spec.name!r}: num_classes is {spec.num_classes} but the "
+                f"factory's model has {result.num_classes}"
+            )
+        _check_no_shared_parameters(spec, result.layers)
+        return result
+
+    layers = _as_layers(result)
+    if layers is None:
+        raise ConfigError(
+            f"custom model {spec.name!r}: factory must return a ZooModel, an nn.Sequential "
+            f"or a list/tuple of nn.Module, got {type(result).__name__}"
+        )
+    if not layers:
+        raise ConfigError(f"custom model {spec.name!r}: factory returned no layers")
+    _check_no_shared_parameters(spec, layers)
+    return ZooModel(layers, input_spec, spec.num_classes, has_batchnorm(layers))

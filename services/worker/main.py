@@ -25,6 +25,7 @@ from common.codec import Limits
 from common.errors import AsteroidError
 from common.ids import DeviceId
 from common.logging import bind_global, configure_logging, get_logger
+from common.memory import keep_freed_memory
 from common.messages import (
     Assign,
     Assigned,
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of `asteroid-worker`."""
     settings = CliApp.run(WorkerSettings, cli_args=sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(settings.threads or default_threads(settings.workers_per_host))
+    keep_freed_memory()
     configure_logging(settings.log_level, settings.log_format)
     worker = Worker(settings)
     bind_global(device=worker.device)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import zmq
 
 from common.codec import Limits
+from common.memory import keep_freed_memory
 from common.messages import ReduceChunk
 from services.worker.allreduce import ring_allreduce
 from services.worker.pool import TaskPool
@@ -115,9 +116,12 @@ class Row:
 
 
 def _child_entry(body: Callable[..., None], ctrl: Connection, deadline_s: int, *args: Any) -> None:
-    """Run `body` in a child: one torch thread, a hard deadline, errors sent to the parent."""
+    """Run `body` in a child set up like a worker: one torch thread, freed memory kept
+    for reuse (for our path and the baselines alike), a hard deadline, errors sent
+    to the parent."""
     signal.alarm(deadline_s)  # default action of SIGALRM: the process dies
     torch.set_num_threads(1)
+    keep_freed_memory()
     try:
         body(ctrl, *args)
     except BaseException:

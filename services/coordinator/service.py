@@ -143,7 +143,7 @@ class Coordinator:
             self.pump(0.05)
             for _ in range(len(self.inbox)):
                 peer, msg = self.inbox.popleft()
-                if isinstance(msg, WorkerError) and msg.epoch in (epoch, 0) and peer in want:
+                if isinstance(msg, WorkerError) and msg.epoch == epoch and peer in want:
                     raise JobFailed(f"worker {peer} failed in round {msg.round}: {msg.error}")
                 if (
                     isinstance(msg, kind)

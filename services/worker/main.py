@@ -131,7 +131,8 @@ class Worker:
             self.close()
 
     def _handle(self, msg: object) -> None:
-        epoch = self.runner.epoch if self.runner else 0
+        # an error reply names the epoch of the command that failed
+        epoch = getattr(msg, "epoch", self.runner.epoch if self.runner else 0)
         try:
             if isinstance(msg, Assign):
                 self._assign(msg)

@@ -17,6 +17,7 @@ from typing import TypeVar
 import torch
 
 from common.errors import RoundAbortedError, RoundTimeoutError
+from common.messages import Activation, Gradient, ReduceChunk
 
 __all__ = ["Part", "TaskPool"]
 
@@ -44,6 +45,7 @@ class TaskPool:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.epoch = -1
+        self.stage = -1
         self.round = -1
         self.span = (0, 0)
         self._slots: dict[tuple[int, str, int], _Slot] = {}
@@ -62,10 +64,10 @@ class TaskPool:
         """Samples a task must cover: the device's share of a micro-batch."""
         return self.span[1] - self.span[0]
 
-    def reset(self, epoch: int, span: tuple[int, int]) -> None:
-        """Start plan epoch `epoch`; a task is complete when parts cover `span`."""
+    def reset(self, epoch: int, stage: int, span: tuple[int, int]) -> None:
+        """Serve `stage` of plan epoch `epoch`; a task is complete when parts cover `span`."""
         with self.cond:
-            self.epoch, self.round, self.span = epoch, -1, span
+            self.epoch, self.stage, self.round, self.span = epoch, stage, -1, span
             self.aborted = None
             self._slots.clear()
             self._chunks.clear()
@@ -77,17 +79,21 @@ class TaskPool:
             self._slots = {k: v for k, v in self._slots.items() if k[0] >= round_no}
             self._chunks = {k: v for k, v in self._chunks.items() if k[0] >= round_no}
 
-    def _fresh(self, epoch: int, round_no: int) -> str | None:
-        if epoch != self.epoch:
-            return f"plan epoch {epoch}, current is {self.epoch}"
-        if round_no < self.round:
-            return f"round {round_no} already finished (current {self.round})"
+    def _fresh(self, msg: Activation | Gradient | ReduceChunk) -> str | None:
+        if msg.epoch != self.epoch:
+            return f"plan epoch {msg.epoch}, current is {self.epoch}"
+        if msg.stage != self.stage:
+            return f"addressed to stage {msg.stage}, this worker runs stage {self.stage}"
+        if msg.round < self.round:
+            return f"round {msg.round} already finished (current {self.round})"
         return None
 
-    def put_part(self, epoch: int, round_no: int, kind: str, mb: int, part: Part) -> str | None:
+    def put_part(self, msg: Activation | Gradient, tensors: list[torch.Tensor]) -> str | None:
         """Add a part; returns why it was dropped, or None when accepted."""
+        kind, mb, round_no = ("F" if isinstance(msg, Activation) else "B"), msg.mb, msg.round
+        part = Part(msg.lo, msg.hi, tensors)
         with self.cond:
-            stale = self._fresh(epoch, round_no)
+            stale = self._fresh(msg)
             if stale:
                 self.dropped += 1
                 return stale
@@ -103,16 +109,14 @@ class TaskPool:
             self.cond.notify_all()
             return None
 
-    def put_chunk(
-        self, epoch: int, round_no: int, step: int, chunk: int, t: torch.Tensor
-    ) -> str | None:
+    def put_chunk(self, msg: ReduceChunk, t: torch.Tensor) -> str | None:
         """Add an all-reduce chunk; returns why it was dropped, or None."""
         with self.cond:
-            stale = self._fresh(epoch, round_no)
-            key = (round_no, step, chunk)
+            stale = self._fresh(msg)
+            key = (msg.round, msg.step, msg.chunk)
             if stale or key in self._chunks:
                 self.dropped += 1
-                return stale or f"duplicate reduce chunk step {step} chunk {chunk}"
+                return stale or f"duplicate reduce chunk step {msg.step} chunk {msg.chunk}"
             self._chunks[key] = t
             self.cond.notify_all()
             return None

@@ -112,7 +112,7 @@ class StageRunner:
         restore_optimizer(self.module, self.optimizer, optim_state)
         self.dataset = dataset_for(zoo, assign.job.seed) if self.first else None
         self.round = assign.from_round
-        pool.reset(assign.epoch, self.span)
+        pool.reset(assign.epoch, p, self.span)
 
     @property
     def is_leader(self) -> bool:

@@ -21,7 +21,7 @@ from common.errors import ProtocolError
 from common.logging import get_logger
 from common.messages import Activation, Gradient, Message, ReduceChunk
 from common.sockets import bind_router, connect_dealer
-from services.worker.pool import Part, TaskPool
+from services.worker.pool import TaskPool
 
 __all__ = ["Dispatcher", "Receiver"]
 
@@ -67,11 +67,9 @@ class Receiver(threading.Thread):
                     [tuple(t.shape) for t in env.tensors]
                 )
             else:
-                kind = "F" if isinstance(msg, Activation) else "B"
-                part = Part(msg.lo, msg.hi, env.tensors)
-                why = self.pool.put_part(msg.epoch, msg.round, kind, msg.mb, part)
+                why = self.pool.put_part(msg, env.tensors)
         elif isinstance(msg, ReduceChunk) and len(env.tensors) == 1:
-            why = self.pool.put_chunk(msg.epoch, msg.round, msg.step, msg.chunk, env.tensors[0])
+            why = self.pool.put_chunk(msg, env.tensors[0])
         else:
             why = f"unexpected {msg.type} with {len(env.tensors)} tensors on the data plane"
         if why:

@@ -206,7 +206,7 @@ def _take_ours(pool: TaskPool, count: int, round_no: int) -> torch.Tensor:
 
 def _start_receiver(ctx: zmq.Context[Any]) -> tuple[TaskPool, Receiver]:
     pool = TaskPool()
-    pool.reset(EPOCH, (0, 0))
+    pool.reset(EPOCH, 0, (0, 0))
     rx = Receiver(ctx, f"tcp://{LOCALHOST}:0", Limits(), pool)
     rx.start()
     return pool, rx

@@ -1,0 +1,118 @@
+"""The cost model every planner and the simulator share.
+
+Times come from per-device profiles (interpolated in batch size, scaled by a
+device's slowdown), memory from per-layer byte counts, communication from the
+cluster's bandwidth matrix. Prefix sums over layers make a stage's time an
+O(1) lookup, which keeps the dynamic-programming planners fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from common.errors import ConfigError
+from common.plan import Plan
+from common.profile import ClusterSpec, Profile
+
+__all__ = ["CostModel"]
+
+
+@dataclass
+class CostModel:
+    """Costs of layer ranges on devices, given profiles and a cluster."""
+
+    profiles: dict[str, Profile]
+    cluster: ClusterSpec
+    _prefix: dict[tuple[str, int, str], list[float]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.profiles:
+            raise ConfigError("the planner needs at least one profile")
+        counts = {len(p.layers) for p in self.profiles.values()}
+        if len(counts) != 1:
+            raise ConfigError(f"profiles describe models of different depths: {sorted(counts)}")
+        for d in self.cluster.devices:
+            self.profile(d.name)  # every device resolves to a profile
+        ref = next(iter(self.profiles.values()))
+        self.num_layers = len(ref.layers)
+        self._params = [0, *accumulate(lp.param_bytes for lp in ref.layers)]
+        self._optim = [0, *accumulate(lp.optimizer_bytes for lp in ref.layers)]
+        self._act = [0, *accumulate(lp.activation_bytes for lp in ref.layers)]
+        self._out = [lp.output_bytes for lp in ref.layers]
+
+    # --- lookups --------------------------------------------------------------
+
+    def profile(self, device: str) -> Profile:
+        """The profile describing `device` (its own key, else the only profile)."""
+        key = self.cluster.device(device).profile
+        if key in self.profiles:
+            return self.profiles[key]
+        if not key and len(self.profiles) == 1:
+            return next(iter(self.profiles.values()))
+        raise ConfigError(f"device {device} names profile {key!r}, which was not given")
+
+    def compute(self, device: str, start: int, end: int, batch: int, kind: str) -> float:
+        """Seconds of forward ("F") or backward ("B") of layers [start, end) on `batch`."""
+        if batch <= 0 or end <= start:
+            return 0.0
+        key = (device, batch, kind)
+        prefix = self._prefix.get(key)
+        if prefix is None:
+            prof = self.profile(device)
+            slow = self.cluster.device(device).slowdown
+            times = (slow * prof.time(i, batch, kind) for i in range(self.num_layers))
+            prefix = [0.0, *accumulate(times)]
+            self._prefix[key] = prefix
+        return prefix[end] - prefix[start]
+
+    def step(self, device: str, start: int, end: int, batch: int) -> float:
+        """Forward plus backward seconds of one micro-batch share."""
+        return self.compute(device, start, end, batch, "F") + self.compute(
+            device, start, end, batch, "B"
+        )
+
+    def boundary_bytes(self, end: int, samples: int) -> int:
+        """Bytes crossing the boundary after layer `end - 1` for `samples` samples."""
+        return self._out[end - 1] * samples
+
+    def transfer(self, src: str, dst: str, nbytes: int) -> float:
+        """Seconds to move `nbytes` from `src` to `dst`."""
+        if src == dst or nbytes == 0:
+            return 0.0
+        return self.cluster.latency_s + nbytes / self.cluster.bw(src, dst)
+
+    def param_bytes(self, start: int, end: int) -> int:
+        """Parameter bytes of layers [start, end)."""
+        return self._params[end] - self._params[start]
+
+    def allreduce(self, devices: Sequence[str], start: int, end: int) -> float:
+        """Ring all-reduce of the gradients of layers [start, end) over `devices`."""
+        n = len(devices)
+        if n <= 1:
+            return 0.0
+        slowest = min(self.cluster.bw(devices[i], devices[(i + 1) % n]) for i in range(n))
+        steps = 2 * (n - 1)
+        nbytes = self.param_bytes(start, end)
+        return steps * (self.cluster.latency_s + nbytes / n / slowest)
+
+    def memory(self, start: int, end: int, samples: int, in_flight: int) -> int:
+        """Peak bytes of a device running layers [start, end) (Asteroid's Eq. 3).
+
+        Weights, gradients and optimizer state, plus the activations of
+        `in_flight` micro-batch shares of `samples` samples kept for backward.
+        """
+        weights = self._params[end] - self._params[start]
+        optim = self._optim[end] - self._optim[start]
+        acts = (self._act[end] - self._act[start]) * samples * in_flight
+        return 2 * weights + optim + acts
+
+    def plan_memory(self, plan: Plan) -> dict[str, int]:
+        """Predicted peak bytes of every device of `plan`."""
+        out: dict[str, int] = {}
+        for s, stage in enumerate(plan.stages):
+            k = plan.warmup(s)
+            for dev, (lo, hi) in plan.ranges(s).items():
+                out[dev] = self.memory(stage.start, stage.end, hi - lo, k)
+        return out

@@ -42,6 +42,10 @@ class JobSpec(BaseModel):
     rounds: int = Field(10, ge=1)
     optimizer: OptimizerSpec = OptimizerSpec()
     policy: Literal["1f1b", "gpipe"] = "1f1b"
+    global_batch: int | None = Field(
+        None, ge=1, description="Samples per round; required when a planner makes the plan."
+    )
+    microbatches: int | None = Field(None, ge=1, description="Micro-batches per round.")
     checkpoint_every: int = Field(
         0, ge=0, description="Rounds between checkpoints (0: only final)."
     )

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from common.ids import DeviceId
 from common.job import JobSpec
 from common.plan import Plan
+from common.profile import ClusterSpec
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -26,10 +27,13 @@ __all__ = [
     "Gradient",
     "Heartbeat",
     "Message",
+    "PlanReply",
+    "PlanRequest",
     "ReduceChunk",
     "RoundDone",
     "RunRound",
     "SaveCheckpoint",
+    "ServiceHello",
     "Shutdown",
     "StageTimings",
     "WorkerError",
@@ -160,6 +164,39 @@ class Shutdown(_Msg):
     reason: str = ""
 
 
+# --- control plane: services ----------------------------------------------------
+
+
+class ServiceHello(_Msg):
+    """A planner or profiler service announcing itself (and staying alive)."""
+
+    type: Literal["service_hello"] = "service_hello"
+    service: str
+    pid: int = 0
+
+
+class PlanRequest(_Msg):
+    """Ask the planner for a plan of `job_id`; it stores the plan in Redis."""
+
+    type: Literal["plan_request"] = "plan_request"
+    job_id: str
+    planner: str
+    cluster: ClusterSpec
+    profiles: list[str] = Field(description="Redis keys of the profiles the cluster names.")
+    global_batch: int
+    microbatches: int
+
+
+class PlanReply(_Msg):
+    """The planner's answer: the plan is in Redis under `plan:<job_id>`, or `error`."""
+
+    type: Literal["plan_reply"] = "plan_reply"
+    job_id: str
+    ok: bool
+    error: str = ""
+    predicted_round_s: float = 0.0
+
+
 # --- data plane: worker -> worker -------------------------------------------
 
 
@@ -214,6 +251,9 @@ Message = Annotated[
     | RunRound
     | SaveCheckpoint
     | Shutdown
+    | ServiceHello
+    | PlanRequest
+    | PlanReply
     | Activation
     | Gradient
     | ReduceChunk,

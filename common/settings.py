@@ -76,8 +76,12 @@ class CoordinatorSettings(CommonSettings):
     )
     job: Path | None = Field(None, description="Job spec (YAML) to run at start.")
     plan: str | None = Field(
-        None, description="Plan for --job: a JSON/YAML file, or `redis` for the job's stored plan."
+        None,
+        description="Plan for --job: a JSON/YAML file, `redis` (the job's stored plan) or "
+        "`planner:NAME` (ask the planner service, with --cluster).",
     )
+    cluster: Path | None = Field(None, description="Cluster spec (YAML) for `planner:NAME`.")
+    plan_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the planner.")
     resume: bool = Field(False, description="Continue --job from its newest committed checkpoint.")
     shutdown_workers: bool = Field(
         False, description="Tell the workers to exit when the --job finishes."

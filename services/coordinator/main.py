@@ -8,48 +8,71 @@ from __future__ import annotations
 
 import signal
 import sys
-from enum import IntEnum
 from pathlib import Path
 
+import yaml
 from pydantic import ValidationError
 from pydantic_settings import CliApp
 
 from common.errors import AsteroidError, ConfigError
-from common.job import load_job
+from common.exit_codes import ExitCode
+from common.job import JobSpec, load_job
 from common.logging import configure_logging, get_logger
+from common.messages import PlanRequest
 from common.plan import Plan, load_plan
+from common.profile import ClusterSpec
 from common.settings import CoordinatorSettings
 from services.coordinator.service import Coordinator
 
-__all__ = ["ExitCode", "main"]
+__all__ = ["main", "run"]
 
 log = get_logger(__name__)
-
-
-class ExitCode(IntEnum):
-    """Process exit codes of the services."""
-
-    OK = 0
-    CONFIG = 2
-    JOB_FAILED = 3
-    INTERRUPTED = 130
 
 
 def _interrupt(signum: int, _: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _plan(coord: Coordinator, source: str, job_id: str) -> Plan:
-    """The plan from a file, or (`redis`) the one stored for the job."""
-    if source != "redis":
-        return load_plan(Path(source))
-    data = coord.store.get_json("plan", job_id)
-    if data is None:
-        raise ConfigError(f"no plan stored in Redis for job {job_id}")
+def _plan(coord: Coordinator, settings: CoordinatorSettings, job: JobSpec) -> Plan:
+    """The plan from a file, from Redis (`redis`), or from the planner (`planner:NAME`)."""
+    source = settings.plan or ""
+    if source.startswith("planner:"):
+        return coord.request_plan(_plan_request(settings, job, source[8:]), settings.plan_timeout_s)
+    if source == "redis":
+        data = coord.store.get_json("plan", job.job_id)
+        if data is None:
+            raise ConfigError(f"no plan stored in Redis for job {job.job_id}")
+        try:
+            return Plan.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(f"plan stored for job {job.job_id} is invalid: {exc}") from exc
+    plan = load_plan(Path(source))
+    for name in ("global_batch", "microbatches"):
+        wanted = getattr(job, name)
+        if wanted is not None and wanted != getattr(plan, name):
+            raise ConfigError(f"job {name} {wanted} differs from the plan's {getattr(plan, name)}")
+    return plan
+
+
+def _plan_request(settings: CoordinatorSettings, job: JobSpec, planner: str) -> PlanRequest:
+    """What to ask the planner: the cluster file, its profiles, the job's batch geometry."""
+    if settings.cluster is None:
+        raise ConfigError("--plan planner:NAME needs --cluster FILE (devices, memory, bandwidth)")
+    if job.global_batch is None or job.microbatches is None:
+        raise ConfigError("a planned job needs global_batch and microbatches in its spec")
     try:
-        return Plan.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"plan stored for job {job_id} is invalid: {exc}") from exc
+        cluster = ClusterSpec.model_validate(yaml.safe_load(settings.cluster.read_text()))
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        raise ConfigError(f"cluster {settings.cluster} is invalid: {exc}") from exc
+    keys = sorted({d.profile for d in cluster.devices})
+    return PlanRequest(
+        job_id=job.job_id,
+        planner=planner,
+        cluster=cluster,
+        profiles=keys,
+        global_batch=job.global_batch,
+        microbatches=job.microbatches,
+    )
 
 
 def run(settings: CoordinatorSettings) -> ExitCode:
@@ -65,7 +88,7 @@ def run(settings: CoordinatorSettings) -> ExitCode:
     coord = Coordinator(settings)
     log.info("coordinator listening", bind=coord.endpoint)
     try:
-        plan = _plan(coord, settings.plan, job.job_id) if job and settings.plan else None
+        plan = _plan(coord, settings, job) if job and settings.plan else None
         if job is None or plan is None:
             while True:
                 coord.pump(1.0)

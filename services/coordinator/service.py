@@ -17,7 +17,7 @@ import zmq
 
 from common.checkpoint import commit_checkpoint, latest_round, save_stage
 from common.codec import Limits, recv_message, send_message
-from common.errors import AsteroidError, ProtocolError
+from common.errors import AsteroidError, PlanError, ProtocolError
 from common.ids import DeviceId
 from common.job import JobSpec
 from common.logging import bind_global, get_logger
@@ -27,9 +27,12 @@ from common.messages import (
     CheckpointSaved,
     Heartbeat,
     Message,
+    PlanReply,
+    PlanRequest,
     RoundDone,
     RunRound,
     SaveCheckpoint,
+    ServiceHello,
     Shutdown,
     WorkerError,
 )
@@ -44,6 +47,7 @@ __all__ = ["Coordinator", "JobFailed", "JobSummary"]
 
 log = get_logger(__name__)
 NAME = "coordinator"
+PLANNER = "planner"
 
 
 class JobFailed(AsteroidError):
@@ -75,6 +79,7 @@ class Coordinator:
         self.members: Members = {}
         self.inbox: deque[tuple[DeviceId, Message]] = deque()
         self.bad_messages = 0
+        self.services: dict[str, float] = {}
 
     # --- transport --------------------------------------------------------------
 
@@ -103,6 +108,10 @@ class Coordinator:
                 )
             elif isinstance(env.msg, Heartbeat):
                 self._heartbeat(env.msg)
+            elif isinstance(env.msg, ServiceHello):
+                if env.msg.service not in self.services:
+                    log.info("service joined", service=env.msg.service, peer=peer)
+                self.services[env.msg.service] = time.monotonic()
             else:
                 self.inbox.append((DeviceId(peer), env.msg))
             if time.monotonic() >= deadline:
@@ -173,6 +182,30 @@ class Coordinator:
                     f"within {timeout_s:.0f} s"
                 )
         return got
+
+    def request_plan(self, req: PlanRequest, timeout_s: float) -> Plan:
+        """Ask the planner service for a plan (it lands in Redis) and load it."""
+        deadline = time.monotonic() + timeout_s
+        while PLANNER not in self.services:
+            if time.monotonic() > deadline:
+                raise JobFailed(
+                    f"no planner service joined within {timeout_s:.0f} s (start asteroid-planner "
+                    f"with --coordinator {self.endpoint})"
+                )
+            self.pump(0.1)
+        self.send(DeviceId(PLANNER), req)
+        while True:
+            for _ in range(len(self.inbox)):
+                peer, msg = self.inbox.popleft()
+                if isinstance(msg, PlanReply) and msg.job_id == req.job_id:
+                    if not msg.ok:
+                        raise PlanError(f"planner {req.planner!r} failed: {msg.error}")
+                    data = self.store.get_json("plan", req.job_id)
+                    return Plan.model_validate(data)
+                self.inbox.append((peer, msg))
+            if time.monotonic() > deadline:
+                raise JobFailed(f"the planner did not answer within {timeout_s:.0f} s")
+            self.pump(0.1)
 
     # --- jobs -------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 import pytest
 
+from common.exit_codes import ExitCode
 from common.settings import CoordinatorSettings
-from services.coordinator.main import ExitCode, run
+from services.coordinator.main import run
 from tests.cluster import free_port
 
 

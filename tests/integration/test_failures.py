@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from common.exit_codes import ExitCode
 from common.store import Store
-from services.coordinator.main import ExitCode
 from tests.cluster import LocalCluster
 from tests.integration.test_equivalence import PLANS, SGD
 

@@ -37,8 +37,10 @@ fmt:  ## format and autofix
 typecheck:  ## mypy strict on common/ and services/
 	$(BIN)/mypy
 
-bench:  ## transport benchmark: table and plots under bench-results/
+bench:  ## benchmarks: transport, planner speed, simulated planners; tables and plots in bench-results/
 	$(BIN)/python -m tests.bench.bench_transport --out bench-results/transport
+	$(BIN)/python -m tests.bench.bench_planner
+	$(BIN)/python -m tests.bench.bench_simulation --out bench-results/simulation
 
 check: lint typecheck test  ## every check, in order
 

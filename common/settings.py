@@ -78,9 +78,11 @@ class CoordinatorSettings(CommonSettings):
     plan: str | None = Field(
         None,
         description="Plan for --job: a JSON/YAML file, `redis` (the job's stored plan) or "
-        "`planner:NAME` (ask the planner service, with --cluster).",
+        "`planner:NAME` (ask the planner service, with --cluster-spec).",
     )
-    cluster: Path | None = Field(None, description="Cluster spec (YAML) for `planner:NAME`.")
+    cluster_spec: Path | None = Field(
+        None, description="Cluster spec (YAML: devices, memory, bandwidth) for `planner:NAME`."
+    )
     plan_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the planner.")
     resume: bool = Field(False, description="Continue --job from its newest committed checkpoint.")
     shutdown_workers: bool = Field(

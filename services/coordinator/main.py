@@ -56,14 +56,14 @@ def _plan(coord: Coordinator, settings: CoordinatorSettings, job: JobSpec) -> Pl
 
 def _plan_request(settings: CoordinatorSettings, job: JobSpec, planner: str) -> PlanRequest:
     """What to ask the planner: the cluster file, its profiles, the job's batch geometry."""
-    if settings.cluster is None:
-        raise ConfigError("--plan planner:NAME needs --cluster FILE (devices, memory, bandwidth)")
+    if settings.cluster_spec is None:
+        raise ConfigError("--plan planner:NAME needs --cluster-spec FILE (devices, memory, bandwidth)")
     if job.global_batch is None or job.microbatches is None:
         raise ConfigError("a planned job needs global_batch and microbatches in its spec")
     try:
-        cluster = ClusterSpec.model_validate(yaml.safe_load(settings.cluster.read_text()))
+        cluster = ClusterSpec.model_validate(yaml.safe_load(settings.cluster_spec.read_text()))
     except (OSError, yaml.YAMLError, ValidationError) as exc:
-        raise ConfigError(f"cluster {settings.cluster} is invalid: {exc}") from exc
+        raise ConfigError(f"cluster spec {settings.cluster_spec} is invalid: {exc}") from exc
     keys = sorted({d.profile for d in cluster.devices})
     return PlanRequest(
         job_id=job.job_id,

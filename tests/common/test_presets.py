@@ -1,0 +1,114 @@
+"""Device kinds, environments and the clusters built from them."""
+
+import pytest
+
+from common.errors import ConfigError
+from common.presets import (
+    DEVICE_KINDS,
+    ENVIRONMENTS,
+    GALAXY_ENVIRONMENTS,
+    JETSON_NANO,
+    JETSON_TX2,
+    JETSON_XAVIER_NX,
+    LINK_SPEEDS_BPS,
+    cluster_for,
+    device_kind,
+    environment,
+    slowdown,
+)
+from common.profile import ClusterSpec
+
+GiB = 1 << 30
+
+
+def test_table_1_memory_and_peak_throughput():
+    assert (JETSON_NANO.memory_bytes, JETSON_NANO.tflops) == (4 * GiB, 0.472)
+    assert (JETSON_TX2.memory_bytes, JETSON_TX2.tflops) == (8 * GiB, 1.33)
+    assert (JETSON_XAVIER_NX.memory_bytes, JETSON_XAVIER_NX.tflops) == (8 * GiB, 1.69)
+    assert all(k.source for k in DEVICE_KINDS.values())
+
+
+def test_slowdown_is_the_ratio_of_peak_throughputs():
+    assert slowdown(JETSON_XAVIER_NX, JETSON_XAVIER_NX) == 1.0
+    assert slowdown(JETSON_TX2, JETSON_XAVIER_NX) == pytest.approx(1.69 / 1.33)
+    assert slowdown(JETSON_NANO, JETSON_XAVIER_NX) == pytest.approx(1.69 / 0.472)
+    assert slowdown(JETSON_NANO, JETSON_TX2) == pytest.approx(1.33 / 0.472)
+    # faster than the reference: less than one
+    assert slowdown(JETSON_XAVIER_NX, JETSON_NANO) == pytest.approx(0.472 / 1.69)
+
+
+def test_galaxy_clock_levels_slow_a_nano_by_1_4_3_and_2():
+    levels = [device_kind(n) for n in ("Jetson Nano", "Jetson Nano @75%", "Jetson Nano @50%")]
+    assert [slowdown(k, JETSON_NANO) for k in levels] == pytest.approx([1.0, 4 / 3, 2.0])
+    assert all(k.memory_bytes == JETSON_NANO.memory_bytes for k in levels)
+
+
+@pytest.mark.parametrize(
+    ("env", "counts"),
+    [
+        ("A", {"Jetson Nano": 5}),
+        ("B", {"Xavier NX": 3, "Jetson TX2": 2}),
+        ("C", {"Xavier NX": 1, "Jetson TX2": 2, "Jetson Nano": 3}),
+        ("D", {"Jetson TX2": 1, "Jetson Nano": 3}),
+    ],
+)
+def test_asteroid_environments(env, counts):
+    assert {k.name: n for k, n in environment(env)} == counts
+    assert len(cluster_for(env, 1e9, "p").devices) == sum(counts.values())
+
+
+def test_every_environment_names_known_kinds():
+    for env in [*ENVIRONMENTS, *GALAXY_ENVIRONMENTS]:
+        assert all(n >= 1 for _, n in environment(env))
+
+
+def test_cluster_for_env_c_at_100_mbps():
+    cluster = cluster_for("C", 100e6, "mobilenet_v2@nx", memory_scale=0.5)
+    assert isinstance(cluster, ClusterSpec)
+    assert [d.name for d in cluster.devices] == [
+        "nx-0",
+        "tx2-0",
+        "tx2-1",
+        "nano-0",
+        "nano-1",
+        "nano-2",
+    ]
+    assert cluster.bandwidth == pytest.approx(12.5e6)  # bytes/s
+    assert cluster.bw("nx-0", "nano-2") == pytest.approx(12.5e6)
+    by_name = {d.name: d for d in cluster.devices}
+    assert by_name["nx-0"].memory_bytes == 4 * GiB
+    assert by_name["tx2-1"].memory_bytes == 4 * GiB
+    assert by_name["nano-0"].memory_bytes == 2 * GiB
+    assert by_name["nx-0"].slowdown == 1.0
+    assert by_name["tx2-0"].slowdown == pytest.approx(1.69 / 1.33)
+    assert by_name["nano-2"].slowdown == pytest.approx(1.69 / 0.472)
+    assert {d.profile for d in cluster.devices} == {"mobilenet_v2@nx"}
+    # round-trips as the planner service receives it
+    assert ClusterSpec.model_validate_json(cluster.model_dump_json()) == cluster
+
+
+def test_cluster_for_other_reference_and_link_speeds():
+    cluster = cluster_for("A", LINK_SPEEDS_BPS[1], "p", reference="Jetson Nano")
+    assert cluster.bandwidth == pytest.approx(125e6)
+    assert {d.slowdown for d in cluster.devices} == {1.0}
+    assert {d.memory_bytes for d in cluster.devices} == {4 * GiB}
+    assert LINK_SPEEDS_BPS == (100e6, 1e9)
+
+
+def test_cluster_for_galaxy_names_clock_levels_apart():
+    names = [d.name for d in cluster_for("Galaxy-F", 1e9, "p", reference="Jetson Nano").devices]
+    assert names == ["nano-0", "nano-1", "nano75-0", "nano50-0"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"env": "Z", "bandwidth_bps": 1e9}, "unknown environment 'Z'"),
+        ({"env": "A", "bandwidth_bps": 0.0}, "bandwidth"),
+        ({"env": "A", "bandwidth_bps": 1e9, "memory_scale": 0.0}, "memory_scale"),
+        ({"env": "A", "bandwidth_bps": 1e9, "reference": "TPU"}, "unknown device kind 'TPU'"),
+    ],
+)
+def test_cluster_for_rejects_bad_input(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        cluster_for(profile_key="p", **kwargs)

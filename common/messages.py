@@ -57,6 +57,7 @@ class Heartbeat(_Msg):
     device: DeviceId
     data_addr: str
     memory_budget: int = 0
+    fingerprint: str = Field("", description="Device fingerprint its profiles are keyed by.")
     threads: int = 1
     pid: int = 0
     epoch: int = 0

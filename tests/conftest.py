@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+import structlog
 import torch
 
 from tests.cluster import kill_all
@@ -16,8 +17,12 @@ REDIS_URL = os.environ.get("ASTEROID_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"
 
 
 @pytest.fixture(autouse=True)
-def _seed() -> None:
+def _seed() -> Iterator[None]:
     torch.manual_seed(0)
+    yield
+    # services configure structlog for their process; in-process runs must not leak
+    # that configuration (and its captured stream) into later tests
+    structlog.reset_defaults()
 
 
 @pytest.fixture(scope="session", autouse=True)

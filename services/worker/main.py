@@ -39,6 +39,7 @@ from common.messages import (
 )
 from common.settings import WorkerSettings
 from common.store import Store
+from services.profiler.layers import device_fingerprint
 from services.worker.control import ControlLink
 from services.worker.pool import TaskPool
 from services.worker.stage import StageRunner
@@ -88,6 +89,7 @@ class Worker:
             self._heartbeat,
             self.pool.abort,
         )
+        self.fingerprint = device_fingerprint(torch.get_num_threads(), settings.memory_budget)
         self.runner: StageRunner | None = None
         self.state = "idle"
         self.stopping = threading.Event()
@@ -99,6 +101,7 @@ class Worker:
             device=self.device,
             data_addr=self.data_addr,
             memory_budget=self.settings.memory_budget,
+            fingerprint=self.fingerprint,
             threads=torch.get_num_threads(),
             pid=os.getpid(),
             epoch=r.epoch if r else 0,

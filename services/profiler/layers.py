@@ -1,0 +1,446 @@
+"""Per-layer measurement of a zoo model on this device, and what names the device.
+
+Each layer runs forward and backward on real inputs (the synthetic dataset fed
+through the layers before it), for several batch sizes, because time is not
+linear in batch size. Times are medians of `repeats` runs after `warmup` runs.
+The device is named by a fingerprint of what makes it fast or slow (CPU model,
+visible cores, torch threads, cgroup CPU quota, memory limit), so a profile is
+reused on the same device and re-measured on an emulated smaller one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from common.data import dataset_for, split_indices
+from common.errors import ConfigError
+from common.profile import LayerProfile, Profile
+from common.zoo import ModelSpec, build_model
+
+__all__ = [
+    "OPTIMIZER_STATE",
+    "Optimizer",
+    "ProgressFn",
+    "Step",
+    "auto_batch_sizes",
+    "cgroup_memory_limit",
+    "cpu_quota",
+    "default_threads",
+    "device_fingerprint",
+    "memory_budget",
+    "model_key",
+    "profile_model",
+    "visible_cores",
+]
+
+Optimizer = Literal["sgd", "adam", "adamw"]
+OPTIMIZER_STATE: dict[str, int] = {"sgd": 1, "adam": 2, "adamw": 2}
+"""Optimizer state per parameter byte: SGD momentum keeps one buffer, Adam two."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """Where profiling stands: `done` of `total` (layer, batch size) measurements."""
+
+    done: int
+    total: int
+    layer: int
+    layers: int
+    batch: int
+
+
+ProgressFn = Callable[[Step], None]
+"""Called after each (layer, batch size) measured."""
+
+HEADROOM = 0.5
+"""Share of the memory budget automatic batch sizes plan for; the rest covers what the
+estimate leaves out (allocator slack, convolution workspaces, temporaries)."""
+
+WARM_ENOUGH_S = 0.2
+"""A first run longer than this is warm-up enough (see `_measure`)."""
+
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+# --- the device ---------------------------------------------------------------
+
+
+def _cgroup_dirs(root: Path, controller: str) -> list[Path]:
+    """Directories that may hold this process's `controller` limits, deepest first.
+
+    The process's own cgroup and each ancestor (a parent's limit binds too), in
+    the v2 hierarchy (``/sys/fs/cgroup`` or ``/sys/fs/cgroup/unified``) and in the
+    v1 mount of the controller (``memory``, ``cpu``, ``cpu,cpuacct``, ...).
+    """
+    base = root / "sys/fs/cgroup"
+    v2_path, v1_path = "/", "/"
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2_path = parts[2]
+        elif controller in parts[1].split(","):
+            v1_path = parts[2]
+    mounts = [(base, v2_path), (base / "unified", v2_path)]
+    with contextlib.suppress(OSError):  # no cgroup file system
+        mounts += [
+            (d, v1_path)
+            for d in sorted(base.iterdir())
+            if d.is_dir() and controller in d.name.split(",")
+        ]
+    dirs: list[Path] = []
+    for mount, path in mounts:
+        rel = Path(path.lstrip("/"))
+        dirs += [mount / p for p in (rel, *rel.parents)]
+    return dirs
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def cgroup_memory_limit(root: Path = Path("/")) -> int | None:
+    """The tightest cgroup memory limit on this process (v1 or v2), None when unlimited."""
+    limits = []
+    for d in _cgroup_dirs(root, "memory"):
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            raw = _read(d / name)
+            if raw and raw.isdigit() and 0 < int(raw) < _UNLIMITED:
+                limits.append(int(raw))
+    return min(limits) if limits else None
+
+
+def cpu_quota(root: Path = Path("/")) -> float | None:
+    """The tightest cgroup CPU quota in cores (v2 ``cpu.max``, v1 CFS), None when unlimited."""
+    quotas = []
+    for d in _cgroup_dirs(root, "cpu"):
+        v2 = (_read(d / "cpu.max") or "").split()
+        if len(v2) == 2 and v2[0].isdigit() and v2[1].isdigit() and int(v2[1]) > 0:
+            quotas.append(int(v2[0]) / int(v2[1]))
+        quota, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+        if quota and period and quota.isdigit() and period.isdigit() and int(period) > 0:
+            quotas.append(int(quota) / int(period))  # "-1" (unlimited) is not digits
+    return min(quotas) if quotas else None
+
+
+def _meminfo(root: Path, field: str) -> int | None:
+    for line in (_read(root / "proc/meminfo") or "").splitlines():
+        name, _, rest = line.partition(":")
+        if name == field and rest.split() and rest.split()[0].isdigit():
+            return int(rest.split()[0]) * 1024
+    return None
+
+
+def memory_budget(configured: int = 0, root: Path = Path("/")) -> int:
+    """Bytes this process may use.
+
+    `configured` if set, else the cgroup limit, else ``MemAvailable`` (0 when
+    nothing is known).
+    """
+    if configured > 0:
+        return configured
+    return cgroup_memory_limit(root) or _meminfo(root, "MemAvailable") or 0
+
+
+def visible_cores() -> int:
+    """Cores this process may run on (its CPU affinity), before any cgroup quota."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_threads(root: Path = Path("/")) -> int:
+    """Torch threads that the cores this process may use can keep busy."""
+    quota = cpu_quota(root)
+    cores = visible_cores()
+    return max(1, min(cores, math.ceil(quota)) if quota else cores)
+
+
+def _cpu_model(root: Path) -> str:
+    for line in (_read(root / "proc/cpuinfo") or "").splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("model name", "Hardware", "Model", "cpu model"):
+            return " ".join(value.split())
+    return platform.processor() or "unknown"
+
+
+def device_fingerprint(threads: int, memory_budget: int = 0, root: Path = Path("/")) -> str:
+    """A stable name for "this hardware, as this process may use it".
+
+    Built from the CPU model, the cores visible to the process, the torch thread
+    count, the cgroup CPU quota and the memory limit (`memory_budget` when
+    configured, else the cgroup limit, else total RAM: all stable, unlike free
+    memory). Readable summary first, then a digest of everything.
+    """
+    quota = cpu_quota(root)
+    mem = memory_budget or cgroup_memory_limit(root) or _meminfo(root, "MemTotal") or 0
+    parts = {
+        "cpu": _cpu_model(root),
+        "arch": platform.machine() or "unknown",
+        "cores": visible_cores(),
+        "threads": threads,
+        "quota": None if quota is None else round(quota, 3),
+        "mem_mib": mem >> 20,
+    }
+    digest = hashlib.sha256(repr(sorted(parts.items())).encode()).hexdigest()[:10]
+    q = "" if quota is None else f"-q{quota:g}"
+    return f"{parts['arch']}-{parts['cores']}c-{threads}t{q}-{mem / (1 << 30):.1f}g-{digest}"
+
+
+# --- the model ----------------------------------------------------------------
+
+
+def model_key(spec: ModelSpec) -> str:
+    """A stable name for a model's shape: zoo name, class count, sorted options."""
+    opts = [f"num_classes={spec.num_classes}"]
+    opts += [f"{k}={v!r}" for k, v in sorted(spec.options.items())]
+    return f"{spec.name}({','.join(opts)})"
+
+
+def _layer_name(layer: nn.Module) -> str:
+    """A plain Sequential by what it chains ("Conv2d+ReLU"), anything else by its class."""
+    if type(layer) is nn.Sequential and len(layer) > 0:
+        return "+".join(type(m).__name__ for m in layer.children())[:80]
+    return type(layer).__name__
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def auto_batch_sizes(per_sample: int, fixed: int, budget: int, cap: int = 256) -> list[int]:
+    """Powers of two up to the largest batch whose estimated memory fits `budget`.
+
+    `fixed` bytes are needed whatever the batch, `per_sample` for each sample;
+    only `HEADROOM` of the budget is planned for. Without a budget (0) the list
+    runs to `cap`; it always holds at least batch 1.
+    """
+    if budget > 0:
+        usable = int(budget * HEADROOM) - fixed
+        cap = min(cap, usable // max(1, per_sample))
+    sizes = [1]
+    while sizes[-1] * 2 <= cap:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+class _SavedBytes:
+    """Sums the bytes autograd saves for backward, once per storage, weights excluded.
+
+    Saved tensors are what a layer keeps alive between its forward and backward
+    (inputs, outputs or intermediates, depending on the ops); weights and buffers
+    are saved too but live as long as the model does, so their storages are skipped.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        state = [*layer.parameters(), *layer.buffers()]
+        self.skip = {t.untyped_storage().data_ptr() for t in state}
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+            ptr, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+            ptr, size = id(t), _nbytes(t)
+        if ptr not in self.skip and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.total += size
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def _footprint(layers: list[nn.Module], x: torch.Tensor) -> int:
+    """Most bytes per sample any one layer needs while profiled on batch `x`.
+
+    Its input and the input's gradient, its output and upstream gradient, and
+    what it saves for backward: the profiler holds one layer's tensors at a time.
+    """
+    worst = 0
+    batch = x.shape[0]
+    for layer in layers:
+        saved = _SavedBytes(layer)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            out = layer(x.detach().requires_grad_(x.is_floating_point()))
+        need = 2 * _nbytes(x) + 2 * _nbytes(out) + saved.total
+        worst = max(worst, -(-need // batch))
+        x = out.detach()
+    return worst
+
+
+def _check(batch_sizes: list[int] | None, repeats: int, warmup: int) -> list[int] | None:
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    if batch_sizes is None or not batch_sizes:
+        return None
+    if any(b < 1 for b in batch_sizes):
+        raise ConfigError(f"batch sizes must be >= 1, got {batch_sizes}")
+    return sorted(set(batch_sizes))
+
+
+def profile_model(
+    spec: ModelSpec,
+    batch_sizes: list[int] | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    memory_budget: int = 0,
+    progress: ProgressFn | None = None,
+    *,
+    optimizer: Optimizer = "sgd",
+    max_batch: int = 256,
+    device: str = "",
+    seed: int = 0,
+) -> Profile:
+    """Measure every layer of `spec` on this device at each batch size.
+
+    Args:
+        spec: The model; built with `seed` (weights do not change timings).
+        batch_sizes: Batch sizes to measure; None or empty: powers of two up to
+            the largest that fits `memory_budget` (see `auto_batch_sizes`), at
+            most `max_batch`.
+        repeats: Timed runs per (layer, batch size); the profile keeps medians.
+        warmup: Untimed runs before them.
+        memory_budget: Bytes the device may use (0: unknown); also recorded.
+        progress: Called after each (layer, batch size).
+        optimizer: Which optimizer's state `optimizer_bytes` counts.
+        max_batch: Upper bound of automatic batch sizes.
+        device: Device fingerprint to record; empty: this process's.
+        seed: Seed of the model's weights and of the data fed through it.
+
+    Times use the current torch thread count. The backward of a layer computes
+    its parameters' gradients and, from layer 1 on, its input's gradient: the
+    first stage has no upstream to send one to, exactly as the worker runs it.
+    Per-sample bytes are taken at the largest batch size measured.
+
+    Raises:
+        ConfigError: Bad arguments or model spec, or a layer failing to run.
+
+    """
+    sizes = _check(batch_sizes, repeats, warmup)
+    if optimizer not in OPTIMIZER_STATE:
+        raise ConfigError(f"optimizer must be one of {sorted(OPTIMIZER_STATE)}, got {optimizer!r}")
+    model = build_model(spec, seed)
+    layers = model.layers
+    for layer in layers:
+        layer.train()
+    data = dataset_for(model, seed)
+    params = [list(layer.parameters()) for layer in layers]
+    param_bytes = [sum(_nbytes(p) for p in ps) for ps in params]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if sizes is None:
+            probe = data.batch(split_indices("train", 0, 1))[0]
+            per_sample = _footprint(layers, probe)
+            sizes = auto_batch_sizes(per_sample, 2 * sum(param_bytes), memory_budget, max_batch)
+        fwd: list[list[float]] = [[] for _ in layers]
+        bwd: list[list[float]] = [[] for _ in layers]
+        out_bytes = [0] * len(layers)
+        saved_bytes = [0] * len(layers)
+        total, done = len(layers) * len(sizes), 0
+        for b in sizes:
+            x = data.batch(split_indices("train", 0, b))[0]
+            for i, layer in enumerate(layers):
+                x = x.detach().requires_grad_(i > 0 and x.is_floating_point())
+                try:
+                    f, bk, out, saved = _measure(layer, params[i], x, repeats, warmup)
+                except (RuntimeError, ValueError, TypeError) as exc:
+                    raise ConfigError(f"layer {i} failed on a batch of {b}: {exc}") from exc
+                fwd[i].append(f)
+                bwd[i].append(bk)
+                out_bytes[i] = -(-_nbytes(out) // b)
+                saved_bytes[i] = -(-saved // b)
+                x = out
+                done += 1
+                if progress is not None:
+                    progress(Step(done, total, i, len(layers), b))
+    factor = OPTIMIZER_STATE[optimizer]
+    return Profile(
+        model=model_key(spec),
+        device=device or device_fingerprint(torch.get_num_threads(), memory_budget),
+        batch_sizes=sizes,
+        input_bytes=math.prod(model.input.shape) * model.input.dtype.itemsize,
+        memory_budget=memory_budget,
+        layers=[
+            LayerProfile(
+                index=i,
+                name=_layer_name(layer),
+                forward_s=fwd[i],
+                backward_s=bwd[i],
+                output_bytes=out_bytes[i],
+                activation_bytes=saved_bytes[i],
+                param_bytes=param_bytes[i],
+                optimizer_bytes=factor * sum(_nbytes(p) for p in params[i] if p.requires_grad),
+            )
+            for i, layer in enumerate(layers)
+        ],
+        created=time.time(),
+    )
+
+
+def _measure(
+    layer: nn.Module, params: list[nn.Parameter], x: torch.Tensor, repeats: int, warmup: int
+) -> tuple[float, float, torch.Tensor, int]:
+    """Median forward and backward seconds, the output (detached) and saved bytes.
+
+    A first run with saved-tensor hooks counts the bytes kept for backward and
+    is the first warm-up run (hooks cost time, so it is never timed). Further
+    warm-up runs are skipped when that run took over `WARM_ENOUGH_S`: one-off
+    costs (kernel set-up, allocator growth) are paid by then, and at large
+    batches another run would only make the profile slower.
+    """
+    saved = _SavedBytes(layer)
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        out = layer(x)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"returned {type(out).__name__}, not a tensor")
+    grad = torch.randn_like(out) if out.requires_grad else None
+    if grad is not None:
+        torch.autograd.backward([out], [grad])
+    result = out.detach()
+    del out
+    warmup = max(0, warmup - 1) if time.perf_counter() - t0 < WARM_ENOUGH_S else 0
+    forward: list[float] = []
+    backward: list[float] = []
+    for run in range(warmup + repeats):
+        x.grad = None
+        t0 = time.perf_counter()
+        out = layer(x)
+        t1 = time.perf_counter()
+        if grad is not None:
+            torch.autograd.backward([out], [grad])
+        t2 = time.perf_counter()
+        del out
+        if run >= warmup:
+            forward.append(t1 - t0)
+            backward.append(t2 - t1 if grad is not None else 0.0)
+    x.grad = None
+    for p in params:
+        p.grad = None
+    return statistics.median(forward), statistics.median(backward), result, saved.total

@@ -1,0 +1,289 @@
+"""`asteroid-profiler`: measure a model on this device, once, and share it through Redis.
+
+The profile is stored under ``profile:<model key>:<device fingerprint>`` and
+reused by later runs on the same device (same CPU, cores, quota, threads and
+memory limit) unless `--refresh` is given. Progress shows as a bar on a
+terminal and as log lines otherwise; a per-layer summary table ends the run.
+
+Exit codes: 0 profile ready, 2 invalid settings or model, 3 Redis unreachable
+or profiling failed, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from enum import IntEnum
+from pathlib import Path
+
+import redis
+import torch
+from pydantic import Field, ValidationError
+from pydantic_settings import CliApp
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from common.errors import AsteroidError, ConfigError
+from common.logging import bind_global, configure_logging, get_logger
+from common.memory import keep_freed_memory
+from common.profile import Profile
+from common.settings import CommonSettings
+from common.store import Store
+from common.zoo import ModelSpec, OptionValue
+from services.profiler.layers import (
+    Optimizer,
+    ProgressFn,
+    Step,
+    default_threads,
+    device_fingerprint,
+    memory_budget,
+    model_key,
+    profile_model,
+    visible_cores,
+)
+
+__all__ = ["ExitCode", "ProfilerSettings", "main", "parse_options", "run"]
+
+log = get_logger(__name__)
+
+
+class ExitCode(IntEnum):
+    """Process exit codes of `asteroid-profiler`."""
+
+    OK = 0
+    CONFIG = 2
+    FAILED = 3
+    INTERRUPTED = 130
+
+
+class ProfilerSettings(CommonSettings):
+    """What to profile and how carefully; device settings match the worker's."""
+
+    model: str = Field("small_cnn", description="Zoo model name, or package.module:factory.")
+    num_classes: int = Field(10, ge=1, description="Width of the model's logits.")
+    options: str = Field("", description='Model options: a JSON object, or "key=value,key=value".')
+    batch_sizes: list[int] = Field(
+        default_factory=list,
+        description="Batch sizes to measure (e.g. 1,2,4); empty: powers of two that fit memory.",
+    )
+    max_batch: int = Field(256, ge=1, description="Largest automatic batch size.")
+    repeats: int = Field(5, ge=1, description="Timed runs per layer and batch size (medians).")
+    warmup: int = Field(2, ge=0, description="Untimed runs before the timed ones.")
+    memory_budget: int = Field(
+        0, ge=0, description="Bytes this device may use (0: cgroup limit, else free memory)."
+    )
+    threads: int = Field(0, ge=0, description="Torch threads (0: the cores this process may use).")
+    refresh: bool = Field(False, description="Measure again even if Redis holds a profile.")
+    optimizer: Optimizer = Field("sgd", description="Optimizer whose state is counted.")
+    out: Path | None = Field(None, description="Also write the profile to this JSON file.")
+
+
+def parse_options(text: str) -> dict[str, OptionValue]:
+    """Model options from a JSON object or ``key=value`` pairs (values read as JSON if they parse).
+
+    Raises:
+        ConfigError: Not an object of scalars, or a pair without ``=``.
+
+    """
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"options are not valid JSON: {exc}") from exc
+    else:
+        raw = {}
+        for pair in text.split(","):
+            key, eq, value = pair.partition("=")
+            if not eq or not key.strip():
+                raise ConfigError(f"option {pair!r} is not key=value")
+            try:
+                raw[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                raw[key.strip()] = value.strip()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"options must be an object, got {type(raw).__name__}")
+    bad = {k: v for k, v in raw.items() if not isinstance(v, int | float | str | bool)}
+    if bad:
+        raise ConfigError(f"option values must be numbers, strings or booleans, got {bad}")
+    return raw
+
+
+def _stored(store: Store, key: str, device: str, wanted: list[int]) -> Profile | None:
+    """The stored profile, if present, valid, and measured at the wanted batch sizes."""
+    data = store.get_json("profile", key, device)
+    if data is None:
+        return None
+    try:
+        prof = Profile.model_validate(data)
+    except ValidationError as exc:
+        log.warning("stored profile is invalid; measuring again", error=str(exc).splitlines()[0])
+        return None
+    if wanted and prof.batch_sizes != sorted(set(wanted)):
+        log.info("stored profile has other batch sizes", stored=prof.batch_sizes, wanted=wanted)
+        return None
+    return prof
+
+
+def _measure(settings: ProfilerSettings, spec: ModelSpec, device: str, budget: int) -> Profile:
+    """Profile with a progress bar on a terminal, a log line per batch size otherwise."""
+    started = time.perf_counter()
+    console = Console(stderr=True)
+
+    def measure(progress: ProgressFn) -> Profile:
+        return profile_model(
+            spec,
+            settings.batch_sizes or None,
+            settings.repeats,
+            settings.warmup,
+            budget,
+            progress,
+            optimizer=settings.optimizer,
+            max_batch=settings.max_batch,
+            device=device,
+        )
+
+    def log_batch(step: Step) -> None:
+        if step.layer == step.layers - 1:
+            log.info("batch size measured", batch=step.batch, elapsed_s=_secs(started))
+
+    if not console.is_terminal:
+        return measure(log_batch)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("profiling", total=None)
+
+        def show(step: Step) -> None:
+            what = f"layer {step.layer + 1}/{step.layers}, batch {step.batch}"
+            bar.update(task, completed=step.done, total=step.total, description=what)
+
+        return measure(show)
+
+
+def _warn_if_busy() -> None:
+    """Warn when other processes keep the CPU busy: their load inflates every time."""
+    load = os.getloadavg()[0]
+    cores = visible_cores()
+    if load > 0.5 * cores:
+        log.warning(
+            "the CPU looks busy (1-minute load); times will include the interference",
+            load_1min=round(load, 2),
+            cores=cores,
+        )
+
+
+def _secs(since: float) -> float:
+    return round(time.perf_counter() - since, 2)
+
+
+def _summary(prof: Profile, largest: int = 32) -> Table:
+    """Per-layer times at one batch size (the largest up to `largest`), bytes, a total row."""
+    j = max((i for i, b in enumerate(prof.batch_sizes) if b <= largest), default=0)
+    table = Table(
+        title=f"{prof.model} on {prof.device}, batch {prof.batch_sizes[j]}",
+        caption="out, act: bytes per sample (output sent on; kept for backward)",
+    )
+    for col in ("#", "layer", "fwd ms", "bwd ms", "out KiB", "act KiB", "param KiB"):
+        table.add_column(col, justify="left" if col == "layer" else "right")
+    for lp in prof.layers:
+        table.add_row(
+            str(lp.index),
+            lp.name,
+            f"{lp.forward_s[j] * 1e3:.2f}",
+            f"{lp.backward_s[j] * 1e3:.2f}",
+            f"{lp.output_bytes / 1024:.1f}",
+            f"{lp.activation_bytes / 1024:.1f}",
+            f"{lp.param_bytes / 1024:.1f}",
+        )
+    table.add_row(
+        "",
+        "total",
+        f"{sum(lp.forward_s[j] for lp in prof.layers) * 1e3:.2f}",
+        f"{sum(lp.backward_s[j] for lp in prof.layers) * 1e3:.2f}",
+        "",
+        f"{sum(lp.activation_bytes for lp in prof.layers) / 1024:.1f}",
+        f"{sum(lp.param_bytes for lp in prof.layers) / 1024:.1f}",
+        style="bold",
+    )
+    return table
+
+
+def run(settings: ProfilerSettings) -> ExitCode:
+    """Profile (or reuse the stored profile of) one model on this device."""
+    try:
+        spec = ModelSpec(
+            name=settings.model,
+            num_classes=settings.num_classes,
+            options=parse_options(settings.options),
+        )
+    except ConfigError as exc:
+        log.error("invalid settings", error=str(exc))
+        return ExitCode.CONFIG
+    threads = settings.threads or default_threads()
+    torch.set_num_threads(threads)
+    device = device_fingerprint(threads, settings.memory_budget)
+    budget = memory_budget(settings.memory_budget)
+    key = model_key(spec)
+    bind_global(device=device)
+    store = Store(settings.redis_url, settings.cluster)
+    try:
+        store.ping()
+        prof = None if settings.refresh else _stored(store, key, device, settings.batch_sizes)
+        if prof is not None:
+            log.info("profile reused from Redis", model=key, batch_sizes=prof.batch_sizes)
+        else:
+            log.info("profiling", model=key, threads=threads, memory_budget=budget)
+            _warn_if_busy()
+            started = time.perf_counter()
+            prof = _measure(settings, spec, device, budget)
+            store.put_json(prof.model_dump(mode="json"), "profile", key, device)
+            store.set_fields({device: prof.created}, "profiles", key)
+            log.info(
+                "profile measured and stored",
+                model=key,
+                batch_sizes=prof.batch_sizes,
+                elapsed_s=_secs(started),
+                redis_key=store.key("profile", key, device),
+            )
+    except ConfigError as exc:
+        log.error("invalid model", error=str(exc))
+        return ExitCode.CONFIG
+    except (AsteroidError, redis.RedisError) as exc:
+        log.error("profiling failed", error=str(exc))
+        return ExitCode.FAILED
+    except KeyboardInterrupt:
+        return ExitCode.INTERRUPTED
+    finally:
+        store.close()
+    if settings.out is not None:
+        try:
+            settings.out.write_text(prof.model_dump_json(indent=2))
+        except OSError as exc:
+            log.error("cannot write the profile", path=str(settings.out), error=str(exc))
+            return ExitCode.FAILED
+        log.info("profile written", path=str(settings.out))
+    Console().print(_summary(prof))
+    return ExitCode.OK
+
+
+def _interrupt(signum: int, _: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `asteroid-profiler`."""
+    settings = CliApp.run(ProfilerSettings, cli_args=sys.argv[1:] if argv is None else argv)
+    configure_logging(settings.log_level, settings.log_format)
+    keep_freed_memory()  # allocate like a worker does, so the times match its own
+    signal.signal(signal.SIGTERM, _interrupt)
+    sys.exit(int(run(settings)))
+
+
+if __name__ == "__main__":
+    main()

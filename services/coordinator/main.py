@@ -57,7 +57,9 @@ def _plan(coord: Coordinator, settings: CoordinatorSettings, job: JobSpec) -> Pl
 def _plan_request(settings: CoordinatorSettings, job: JobSpec, planner: str) -> PlanRequest:
     """What to ask the planner: the cluster file, its profiles, the job's batch geometry."""
     if settings.cluster_spec is None:
-        raise ConfigError("--plan planner:NAME needs --cluster-spec FILE (devices, memory, bandwidth)")
+        raise ConfigError(
+            "--plan planner:NAME needs --cluster-spec FILE (devices, memory, bandwidth)"
+        )
     if job.global_batch is None or job.microbatches is None:
         raise ConfigError("a planned job needs global_batch and microbatches in its spec")
     try:

@@ -25,9 +25,15 @@ def synthetic_profile(layers: int = 6) -> Profile:
         device="cpu-a",
         batch_sizes=[1, 8],
         layers=[
-            LayerProfile(index=i, forward_s=[0.001, 0.008], backward_s=[0.002, 0.016],
-                         output_bytes=4096, activation_bytes=8192, param_bytes=MiB,
-                         optimizer_bytes=MiB)
+            LayerProfile(
+                index=i,
+                forward_s=[0.001, 0.008],
+                backward_s=[0.002, 0.016],
+                output_bytes=4096,
+                activation_bytes=8192,
+                param_bytes=MiB,
+                optimizer_bytes=MiB,
+            )
             for i in range(layers)
         ],
     )
@@ -35,8 +41,10 @@ def synthetic_profile(layers: int = 6) -> Profile:
 
 def cluster(memory: int) -> ClusterSpec:
     return ClusterSpec(
-        devices=[DeviceSpec(name=n, memory_bytes=memory, profile="synthetic:cpu-a", slowdown=s)
-                 for n, s in (("a", 1.0), ("b", 2.0), ("c", 1.0))],
+        devices=[
+            DeviceSpec(name=n, memory_bytes=memory, profile="synthetic:cpu-a", slowdown=s)
+            for n, s in (("a", 1.0), ("b", 2.0), ("c", 1.0))
+        ],
         bandwidth=50e6,
     )
 
@@ -45,12 +53,21 @@ def test_coordinator_gets_plan_from_planner_service(tmp_path, redis_url, cluster
     local = LocalCluster(tmp_path, redis_url, cluster_name)
     store = Store(redis_url, cluster_name)
     store.put_json(synthetic_profile().model_dump(mode="json"), "profile", "synthetic:cpu-a")
-    coord = Coordinator(CoordinatorSettings(bind=local.addr, redis_url=redis_url,
-                                            cluster=cluster_name, heartbeat_s=0.3))
+    coord = Coordinator(
+        CoordinatorSettings(
+            bind=local.addr, redis_url=redis_url, cluster=cluster_name, heartbeat_s=0.3
+        )
+    )
     planner = local._spawn("planner", ["-m", "services.planner.service"])
     try:
-        req = PlanRequest(job_id="p1", planner="asteroid", cluster=cluster(1 << 30),
-                          profiles=["synthetic:cpu-a"], global_batch=32, microbatches=4)
+        req = PlanRequest(
+            job_id="p1",
+            planner="asteroid",
+            cluster=cluster(1 << 30),
+            profiles=["synthetic:cpu-a"],
+            global_batch=32,
+            microbatches=4,
+        )
         plan = coord.request_plan(req, timeout_s=120)
         assert plan.planner == "asteroid" and plan.predicted_round_s
         assert set(plan.devices) <= {"a", "b", "c"}

@@ -1,0 +1,456 @@
+"""Baseline planners from the papers Asteroid compares against, plus an exhaustive optimum.
+
+Each baseline keeps what makes its paper's plans what they are (homogeneous
+assumptions, even splits, fixed warm-ups) and drops what our plan format
+cannot express; every class says which. Memory-unaware baselines return
+their plan even when it does not fit (`check_memory` reports it); Duan & Wu
+and the optimum are memory-aware and raise `PlanDoesNotFit`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+
+from common.errors import ConfigError
+from common.plan import Plan, StageSpec, split_ranges
+from services.planner._partition import minmax_cuts
+from services.planner._steps import total
+from services.planner.balance import balance, capacity, proportional
+from services.planner.base import (
+    PlanDoesNotFit,
+    Planner,
+    finish,
+    micro_size,
+    register,
+    require_fits_somewhere,
+    stage,
+)
+from services.planner.cost import CostModel
+from services.planner.simulator import simulate
+
+__all__ = [
+    "DapplePlanner",
+    "DataParallelPlanner",
+    "DuanWuPlanner",
+    "GPipePlanner",
+    "HetPipePlanner",
+    "OptimalPlanner",
+    "PipeDreamPlanner",
+]
+
+
+def _by_speed(cost: CostModel, micro: int) -> list[str]:
+    """Device names, fastest on the whole model first (ties by name)."""
+    t = {d.name: cost.step(d.name, 0, cost.num_layers, micro) for d in cost.cluster.devices}
+    return sorted(t, key=lambda d: (t[d], d))
+
+
+def _uniform_allreduce(cost: CostModel, replicas: int, start: int, end: int) -> float:
+    """Ring all-reduce over `replicas` identical devices on the default link."""
+    if replicas <= 1:
+        return 0.0
+    per_step = cost.cluster.latency_s + cost.param_bytes(start, end) / replicas / (
+        cost.cluster.bandwidth
+    )
+    return 2 * (replicas - 1) * per_step
+
+
+def _uniform_comm(cost: CostModel, boundary: int, samples: int) -> float:
+    """Activations plus gradients of `samples` across `boundary` on the default link."""
+    one = cost.cluster.latency_s + cost.boundary_bytes(boundary, samples) / cost.cluster.bandwidth
+    return 2 * one
+
+
+@register
+class DataParallelPlanner(Planner):
+    """Heterogeneity-balanced data parallelism, as EDDL (Hao & Zhang, 2021) does.
+
+    One stage runs the whole model on every device, each device taking samples
+    in proportion to its speed. Memory-unaware. With fewer samples per
+    micro-batch than devices, only the fastest devices take part.
+    """
+
+    name = "dp"
+
+    def plan(self, cost: CostModel, global_batch: int, microbatches: int) -> Plan:
+        """One data-parallel stage over (up to `micro`) devices."""
+        micro = micro_size(global_batch, microbatches)
+        devs = _by_speed(cost, micro)[:micro]
+        counts = proportional(cost, devs, 0, cost.num_layers, micro)
+        spec = stage(0, cost.num_layers, devs, counts)
+        return finish(self.name, cost, [spec], global_batch, microbatches, memory_aware=False)
+
+
+@register
+class GPipePlanner(Planner):
+    """GPipe (Huang et al., NeurIPS'19): equal layer counts, one device per stage.
+
+    Devices keep the cluster's order; all M micro-batches are in flight
+    (K_p = M: every forward before any backward). Memory-unaware.
+    """
+
+    name = "gpipe"
+
+    def plan(self, cost: CostModel, global_batch: int, microbatches: int) -> Plan:
+        """One stage per device (or per layer, if fewer), equal layer counts."""
+        micro_size(global_batch, microbatches)
+        num = min(len(cost.cluster.devices), cost.num_layers)
+        devs = [d.name for d in cost.cluster.devices[:num]]
+        spans = split_ranges(cost.num_layers, [1] * num)
+        specs = [
+            stage(lo, hi, [d], [1], warmup=microbatches)
+            for (lo, hi), d in zip(spans, devs, strict=True)
+        ]
+        return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=False)
+
+
+@register
+class PipeDreamPlanner(Planner):
+    """PipeDream's partitioner (Narayanan et al., SOSP'19) on identical devices.
+
+    PipeDream's program A(j, m) = min over (i, m') of max(A(i, m - m'), C_i,
+    T(i..j, m')): the slowest of the pipeline so far, the boundary transfer and
+    a new stage of layers [i, j) replicated on m' machines. Every device is
+    assumed to be the first device of the cluster, every link the default
+    link. Simplifications: a replicated stage splits each micro-batch evenly
+    (our HPP format) instead of round-robin micro-batches, so T is the step on
+    ceil(micro / m') samples plus the stage's all-reduce amortised over the M
+    micro-batches; the best A(L, m) over m <= N is taken, so devices may be
+    left out; K_p = S - p (1F1B with PipeDream's NOAM in flight). Memory-unaware.
+    """
+
+    name = "pipedream"
+
+    def plan(self, cost: CostModel, global_batch: int, microbatches: int) -> Plan:
+        """PipeDream's stage split and replication, devices assigned in cluster order."""
+        micro = micro_size(global_batch, microbatches)
+        layers, devs = cost.num_layers, [d.name for d in cost.cluster.devices]
+        num, ref = len(devs), devs[0]
+        reps = min(num, micro)
+        pre = {
+            r: [cost.step(ref, 0, j, math.ceil(micro / r)) for j in range(layers + 1)]
+            for r in range(1, reps + 1)
+        }
+
+        def t(i: int, j: int, r: int) -> float:
+            sync = _uniform_allreduce(cost, r, i, j) / microbatches
+            return pre[r][j] - pre[r][i] + sync
+
+        comm = [0.0] + [_uniform_comm(cost, i, micro) for i in range(1, layers)]
+        inf = float("inf")
+        best = [[inf] * (num + 1) for _ in range(layers + 1)]
+        back: list[list[tuple[int, int]]] = [[(0, 0)] * (num + 1) for _ in range(layers + 1)]
+        for j in range(1, layers + 1):
+            for m in range(1, num + 1):
+                if m <= reps:
+                    best[j][m], back[j][m] = t(0, j, m), (0, m)
+                for i in range(1, j):
+                    row = best[i]
+                    for r in range(1, min(m - 1, reps) + 1):
+                        prev = row[m - r]
+                        if prev >= best[j][m] or comm[i] >= best[j][m]:
+                            continue
+                        v = max(prev, comm[i], t(i, j, r))
+                        if v < best[j][m]:
+                            best[j][m], back[j][m] = v, (i, r)
+        m = min(range(1, num + 1), key=lambda m: (best[layers][m], -m))
+        spans: list[tuple[int, int, int]] = []
+        j = layers
+        while j > 0:
+            i, r = back[j][m]
+            spans.insert(0, (i, j, r))
+            j, m = i, m - r
+        specs, at = [], 0
+        for p, (lo, hi, r) in enumerate(spans):
+            specs.append(stage(lo, hi, devs[at : at + r], [1] * r, warmup=len(spans) - p))
+            at += r
+        return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=False)
+
+
+@register
+class DapplePlanner(Planner):
+    """DAPPLE's planner (Fan et al., PPoPP'21) under its homogeneous assumption.
+
+    For every stage count S, the devices are split evenly among stages (in
+    cluster order), layers are split so that the slowest stage on the first
+    device's profile is fastest, and S is the one minimising DAPPLE's latency
+    estimate on identical devices and default links. K_p = S - p (DAPPLE's
+    early backward). Its device placement policies (fresh/append/scatter) and
+    uneven replication are not modelled. Memory-unaware.
+    """
+
+    name = "dapple"
+
+    def plan(self, cost: CostModel, global_batch: int, microbatches: int) -> Plan:
+        """The stage count and split with DAPPLE's lowest estimate."""
+        micro = micro_size(global_batch, microbatches)
+        layers, devs = cost.num_layers, [d.name for d in cost.cluster.devices]
+        ref = devs[0]
+        best: tuple[float, list[int], list[int]] | None = None
+        for parts in range(1, min(len(devs), layers) + 1):
+            used = min(len(devs), parts * micro)
+            reps = [hi - lo for lo, hi in split_ranges(used, [1] * parts)]
+
+            def stage_cost(s: int, i: int, j: int, reps: list[int] = reps) -> float:
+                return cost.step(ref, i, j, math.ceil(micro / reps[s]))
+
+            cuts = minmax_cuts(layers, parts, stage_cost)
+            steps = [stage_cost(s, cuts[s], cuts[s + 1]) for s in range(parts)]
+            steps += [_uniform_comm(cost, c, micro) for c in cuts[1:-1]]
+            red = max(_uniform_allreduce(cost, reps[s], cuts[s], cuts[s + 1]) for s in range(parts))
+            est = total(sum(steps), max(steps), red, microbatches)
+            if best is None or est < best[0]:
+                best = (est, cuts, reps)
+        if best is None:  # pragma: no cover - parts=1 always runs
+            raise AssertionError("no stage count tried")
+        _, cuts, reps = best
+        specs, at = [], 0
+        for p, r in enumerate(reps):
+            specs.append(
+                stage(cuts[p], cuts[p + 1], devs[at : at + r], [1] * r, warmup=len(reps) - p)
+            )
+            at += r
+        return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=False)
+
+
+@register
+class HetPipePlanner(Planner):
+    """HetPipe (Park et al., ATC'20): virtual workers of heterogeneous devices.
+
+    The devices form k virtual workers (VWs), each a pipeline with one device
+    per stage; the VWs train data-parallel. As an HPP plan, stage s holds one
+    device of every VW with equal shares, so each VW is its own pipeline over
+    aligned layer ranges. Devices are dealt by speed (HetPipe's "equal
+    distribution" policy): stage s gets the s-th fastest tier of k devices,
+    so all VWs are alike; layers are split so that the slowest tier member's
+    stage time is balanced; k is the one with the lowest estimate, devices
+    left over by N mod k are not used. HetPipe's parameter-server
+    synchronisation (WSP) is approximated by each stage group's all-reduce,
+    and its per-VW layer split by one split shared by all VWs. Memory-unaware.
+    """
+
+    name = "hetpipe"
+
+    def plan(self, cost: CostModel, global_batch: int, microbatches: int) -> Plan:
+        """The virtual-worker count and layer split with the lowest estimate."""
+        micro = micro_size(global_batch, microbatches)
+        layers, devs = cost.num_layers, _by_speed(cost, micro)
+        best: Plan | None = None
+        for k in range(1, min(len(devs), micro) + 1):
+            parts = min(len(devs) // k, layers)
+            tiers = [devs[s * k : (s + 1) * k] for s in range(parts)]
+            share = math.ceil(micro / k)
+
+            def stage_cost(
+                s: int, i: int, j: int, tiers: list[list[str]] = tiers, share: int = share
+            ) -> float:
+                return max(cost.step(d, i, j, share) for d in tiers[s])
+
+            cuts = minmax_cuts(layers, parts, stage_cost)
+            specs = [stage(cuts[s], cuts[s + 1], tiers[s], [1] * k) for s in range(parts)]
+            got = finish(self.name, cost, specs, global_batch, microbatches, memory_aware=False)
+            if best is None or (got.predicted_round_s or 0.0) < (best.predicted_round_s or 0.0):
+                best = got
+        if best is None:  # pragma: no cover - k=1 always runs
+            raise AssertionError("no virtual-worker count tried")
+        return best
+
+
+@register
+class DuanWuPlanner(Planner):
+    """Duan & Wu's resource allocation for pipeline training on heterogeneous devices.
+
+    Binary search on the target stage time T; for a given T, a greedy pass
+    cuts the model into contiguous stages no slower than T and groups the
+    devices, taken fastest first, into stage groups: a stage grows layer by
+    layer while its group meets T and fits in memory, and gains the next
+    device when it cannot take even one layer. The smallest feasible T wins.
+    Group time is the speed-proportional (continuous) split; Algorithm 1
+    then sets the integer shares. Simplifications: stages are built from the
+    output end, so each stage's K_p = 2q-1 (q-th from the end) is known while
+    its memory is checked; devices the smallest T does not need stay unused;
+    the paper's separate forward/backward resource split is not modelled.
+    Memory-aware.
+    """
+
+    name = "duanwu"
+
+    def plan(self, cost: CostModel, global_batch: int, microbatches: int) -> Plan:
+        """The greedy partition and grouping under the smallest feasible stage time."""
+        micro = micro_size(global_batch, microbatches)
+        require_fits_somewhere(cost, micro)
+        devs = _by_speed(cost, micro)
+        for memory in (True, False):
+            groups = self._search(cost, devs, micro, microbatches, memory)
+            if groups is None:
+                continue
+            specs = []
+            for q, (lo, hi, group) in zip(range(len(groups), 0, -1), groups, strict=True):
+                k = min(2 * q - 1, microbatches)
+                got = balance(cost, group, lo, hi, micro, k) or balance(
+                    cost, group, lo, hi, micro, k, memory=False
+                )
+                if got is None:
+                    break
+                specs.append(stage(lo, hi, group, got.counts))
+            else:
+                return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=True)
+        raise PlanDoesNotFit(
+            f"planner {self.name} found no grouping of {len(devs)} devices whose stages each "
+            f"hold their layers for a {micro}-sample micro-batch"
+        )
+
+    def _search(
+        self, cost: CostModel, devs: list[str], micro: int, m: int, memory: bool
+    ) -> list[tuple[int, int, list[str]]] | None:
+        """Bisection on the target time over the greedy pass."""
+        hi = float("inf")
+        best = self._greedy(cost, devs, micro, m, memory, hi)
+        if best is None:
+            return None
+        hi = max(self._time(cost, g, lo, end, micro) for lo, end, g in best)
+        lo = 0.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            got = self._greedy(cost, devs, micro, m, memory, mid)
+            if got is None:
+                lo = mid
+            else:
+                best, hi = got, mid
+        return best
+
+    def _greedy(
+        self, cost: CostModel, devs: list[str], micro: int, m: int, memory: bool, target: float
+    ) -> list[tuple[int, int, list[str]]] | None:
+        stages: list[tuple[int, int, list[str]]] = []
+        end, nxt = cost.num_layers, 0
+        while end > 0:
+            k = min(2 * (len(stages) + 1) - 1, m)
+            group: list[str] = []
+            start = end
+            while start == end:
+                if nxt >= len(devs) or len(group) >= micro:
+                    return None
+                group.append(devs[nxt])
+                nxt += 1
+                while start > 0 and self._fits(
+                    cost, group, start - 1, end, micro, k, memory, target
+                ):
+                    start -= 1
+            stages.insert(0, (start, end, group))
+            end = start
+        return stages
+
+    @staticmethod
+    def _time(cost: CostModel, group: Sequence[str], lo: int, hi: int, micro: int) -> float:
+        """Step time of a speed-proportional (fractional) split of the micro-batch."""
+        rate = sum(micro / max(cost.step(d, lo, hi, micro), 1e-300) for d in group)
+        return micro / rate
+
+    def _fits(
+        self,
+        cost: CostModel,
+        group: Sequence[str],
+        lo: int,
+        hi: int,
+        micro: int,
+        k: int,
+        memory: bool,
+        target: float,
+    ) -> bool:
+        if self._time(cost, group, lo, hi, micro) > target:
+            return False
+        if not memory:
+            return True
+        rates = [1.0 / max(cost.step(d, lo, hi, micro), 1e-300) for d in group]
+        whole = sum(rates)
+        return all(
+            capacity(cost, d, lo, hi, k) >= math.ceil(micro * r / whole)
+            for d, r in zip(group, rates, strict=True)
+        )
+
+
+@register
+class OptimalPlanner(Planner):
+    """Exhaustive search, the yardstick for small instances.
+
+    Every ordered partition of every subset of devices into stages, times every
+    split of the layers into that many contiguous ranges; shares by Algorithm 1
+    (memory-aware, K_p = 2(S-p)-1); candidates are scored by the discrete-event
+    simulator (`simulate`), so "optimal" means fastest as the runtime would run
+    it, within HPP plans whose groups keep cluster order. Candidates are
+    replayed in order of a lower bound (M times the slowest stage step: each
+    device runs its forwards and backwards one at a time), stopping once the
+    bound reaches the best round found, which loses nothing.
+    Raises ConfigError above `max_devices` devices or `max_layers` layers.
+    """
+
+    name = "optimal"
+
+    def __init__(self, max_devices: int = 5, max_layers: int = 10) -> None:
+        self.max_devices = max_devices
+        self.max_layers = max_layers
+
+    def plan(self, cost: CostModel, global_batch: int, microbatches: int) -> Plan:
+        """The fastest simulated plan that fits in memory."""
+        num, layers = len(cost.cluster.devices), cost.num_layers
+        if num > self.max_devices or layers > self.max_layers:
+            raise ConfigError(
+                f"planner {self.name} searches exhaustively: at most {self.max_devices} "
+                f"devices and {self.max_layers} layers, got {num} devices and {layers} layers"
+            )
+        micro = micro_size(global_batch, microbatches)
+        require_fits_somewhere(cost, micro)
+        devs = [d.name for d in cost.cluster.devices]
+        cands: list[tuple[float, list[StageSpec]]] = []
+        for groups in _arrangements(devs, min(num, layers)):
+            parts = len(groups)
+            for inner in itertools.combinations(range(1, layers), parts - 1):
+                cuts = [0, *inner, layers]
+                specs, slowest = [], 0.0
+                for p, group in enumerate(groups):
+                    k = min(2 * (parts - p) - 1, microbatches)
+                    got = balance(cost, group, cuts[p], cuts[p + 1], micro, k)
+                    if got is None:
+                        break
+                    specs.append(stage(cuts[p], cuts[p + 1], group, got.counts))
+                    slowest = max(slowest, got.time)
+                else:
+                    # every device runs its M forwards and backwards one after another
+                    cands.append((microbatches * slowest, specs))
+        cands.sort(key=lambda c: c[0])
+        best: tuple[float, list[StageSpec]] | None = None
+        for bound, specs in cands:
+            if best is not None and bound >= best[0]:
+                break  # exact pruning: no later candidate can beat the best
+            plan = Plan(
+                stages=specs,
+                global_batch=global_batch,
+                microbatches=microbatches,
+                planner=self.name,
+            )
+            score = simulate(plan, cost).round_s
+            if best is None or score < best[0]:
+                best = (score, specs)
+        if best is None:
+            raise PlanDoesNotFit(
+                f"planner {self.name}: no arrangement of {num} devices holds the "
+                f"{layers}-layer model for a {micro}-sample micro-batch within the budgets"
+            )
+        return finish(self.name, cost, best[1], global_batch, microbatches, memory_aware=True)
+
+
+def _arrangements(devs: Sequence[str], max_parts: int) -> Iterator[list[list[str]]]:
+    """Every ordered partition of every non-empty subset of `devs` into <= max_parts groups."""
+    for size in range(1, len(devs) + 1):
+        for subset in itertools.combinations(devs, size):
+            for labels in itertools.product(range(min(size, max_parts)), repeat=size):
+                used = sorted(set(labels))
+                if used != list(range(len(used))):
+                    continue  # each ordered partition once: groups numbered 0..S-1, none empty
+                yield [
+                    [d for d, g in zip(subset, labels, strict=True) if g == s]
+                    for s in range(len(used))
+                ]

@@ -1,0 +1,137 @@
+"""`asteroid-planner`: turns profiles in Redis into plans on request.
+
+The planner is a DEALER on the coordinator's control plane (identity
+"planner"), like every service: it announces itself periodically, answers
+each PlanRequest with a PlanReply, and writes the plan to Redis under
+`plan:<job>` so that the coordinator (and people) read it from one place.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import zmq
+from pydantic import ValidationError
+from pydantic_settings import CliApp
+
+from common.codec import Limits, encode, recv_message
+from common.errors import AsteroidError, ConfigError, ProtocolError
+from common.logging import configure_logging, get_logger
+from common.messages import PlanReply, PlanRequest, ServiceHello
+from common.plan import Plan
+from common.profile import Profile
+from common.settings import CommonSettings
+from common.sockets import connect_dealer
+from common.store import Store
+from services.planner.base import get_planner
+from services.planner.cost import CostModel
+
+__all__ = ["IDENTITY", "PlannerService", "load_profiles", "main", "make_plan"]
+
+log = get_logger(__name__)
+IDENTITY = "planner"
+
+
+def load_profiles(store: Store, keys: list[str]) -> dict[str, Profile]:
+    """Profiles stored under `profile:<key>`; ConfigError names a missing or bad one."""
+    out = {}
+    for key in keys:
+        data = store.get_json("profile", key)
+        if data is None:
+            raise ConfigError(f"no profile {key!r} in Redis: run asteroid-profiler first")
+        try:
+            out[key] = Profile.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(f"profile {key!r} in Redis is invalid: {exc}") from exc
+    return out
+
+
+def make_plan(store: Store, req: PlanRequest) -> Plan:
+    """Plan `req` with the named planner and store the result under `plan:<job>`."""
+    cost = CostModel(load_profiles(store, req.profiles), req.cluster)
+    plan = get_planner(req.planner).plan(cost, req.global_batch, req.microbatches)
+    store.put_json(plan.model_dump(mode="json"), "plan", req.job_id)
+    return plan
+
+
+class PlannerService:
+    """The planner's control-plane loop."""
+
+    def __init__(self, settings: CommonSettings) -> None:
+        self.settings = settings
+        self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
+        self.store = Store(settings.redis_url, settings.cluster)
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.sock = connect_dealer(self.ctx, settings.coordinator, IDENTITY)
+        self.stopping = threading.Event()
+
+    def serve(self) -> None:
+        """Announce, answer requests, until stopped."""
+        next_hello = 0.0
+        try:
+            while not self.stopping.is_set():
+                now = time.monotonic()
+                if now >= next_hello:
+                    self._send(ServiceHello(service=IDENTITY, pid=os.getpid()))
+                    next_hello = now + self.settings.heartbeat_s
+                if self.sock.poll(int(self.settings.heartbeat_s * 1000), zmq.POLLIN):
+                    self._receive()
+        finally:
+            self.sock.close(0)
+            self.ctx.term()
+            self.store.close()
+
+    def _send(self, msg: PlanReply | ServiceHello) -> None:
+        self.sock.send_multipart(encode(msg, IDENTITY))
+
+    def _receive(self) -> None:
+        try:
+            _, env = recv_message(self.sock, self.limits)
+        except ProtocolError as exc:
+            log.warning("dropped bad message", peer="coordinator", reason=exc.reason)
+            return
+        if not isinstance(env.msg, PlanRequest):
+            log.warning("unexpected message", type=env.msg.type)
+            return
+        req = env.msg
+        t0 = time.perf_counter()
+        try:
+            plan = make_plan(self.store, req)
+        except AsteroidError as exc:
+            log.warning("planning failed", job=req.job_id, planner=req.planner, error=str(exc))
+            self._send(PlanReply(job_id=req.job_id, ok=False, error=str(exc)))
+            return
+        log.info(
+            "planned",
+            job=req.job_id,
+            planner=req.planner,
+            stages=len(plan.stages),
+            predicted_round_s=plan.predicted_round_s,
+            seconds=time.perf_counter() - t0,
+        )
+        self._send(
+            PlanReply(job_id=req.job_id, ok=True, predicted_round_s=plan.predicted_round_s or 0.0)
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `asteroid-planner`."""
+    settings = CliApp.run(CommonSettings, cli_args=sys.argv[1:] if argv is None else argv)
+    configure_logging(settings.log_level, settings.log_format, service=IDENTITY)
+    service = PlannerService(settings)
+
+    def _stop(signum: int, _: object) -> None:
+        service.stopping.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    service.serve()
+
+
+if __name__ == "__main__":
+    main()

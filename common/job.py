@@ -1,61 +1,198 @@
-"""The training job: what to train, on which data, with which optimizer.
+"""The training job: what to train, on which data, with which optimizer, for how long.
 
 Validated strictly (unknown keys rejected) because a typo in a job file
-should stop the job before any device does work.
+should stop the job before any device does work. `check_job` adds the checks
+that need more than the file itself (the model exists, the data folder is
+there) so that a bad spec fails with one error naming its field and nothing
+is started.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from common.errors import ConfigError
 from common.ids import JobId
 from common.zoo import ModelSpec
 
-__all__ = ["JobSpec", "OptimizerSpec", "load_job"]
+__all__ = [
+    "Cifar10Data",
+    "DataSpec",
+    "JobSpec",
+    "OptimizerSpec",
+    "ScheduleSpec",
+    "SyntheticData",
+    "learning_rate",
+    "load_job",
+    "validation_message",
+]
 
 
-class OptimizerSpec(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ScheduleSpec(_Strict):
+    """How the learning rate changes over rounds (one round is one optimizer step)."""
+
+    kind: Literal["constant", "step", "cosine"] = Field(
+        "constant", description="constant; step (times gamma every step_rounds); cosine."
+    )
+    step_rounds: int = Field(30, ge=1, description="step: rounds between decays.")
+    gamma: float = Field(0.1, gt=0, le=1, description="step: factor applied at each decay.")
+    warmup_rounds: int = Field(0, ge=0, description="Rounds of linear warm-up from lr/10.")
+    min_lr: float = Field(0.0, ge=0, description="cosine: learning rate at the last round.")
+
+
+class OptimizerSpec(_Strict):
     """Optimizer and its hyper-parameters; applied once per round."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["sgd", "adam", "adamw"] = Field("sgd", description="sgd, adam or adamw.")
+    lr: float = Field(0.05, gt=0, description="Base learning rate.")
+    momentum: float = Field(0.9, ge=0, description="sgd: momentum.")
+    weight_decay: float = Field(0.0, ge=0, description="L2 (sgd, adam) or decoupled (adamw).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="adam/adamw: betas.")
+    schedule: ScheduleSpec = Field(ScheduleSpec(), description="Learning-rate schedule.")
 
-    kind: Literal["sgd", "adam", "adamw"] = "sgd"
-    lr: float = Field(0.05, gt=0)
-    momentum: float = Field(0.9, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+
+class SyntheticData(_Strict):
+    """Generated samples that fit the model's input; every sample is a function of its index."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    train_size: int | None = Field(
+        None, ge=1, description="Training samples (None: a fresh sample every time)."
+    )
+    eval_size: int = Field(512, ge=1, description="Held-out samples used by evaluation.")
 
 
-class JobSpec(BaseModel):
+class Cifar10Data(_Strict):
+    """CIFAR-10 in its binary format: records of 1 label byte and 3072 pixel bytes."""
+
+    kind: Literal["cifar10"] = "cifar10"
+    path: Path = Field(
+        description="Folder with data_batch_*.bin (training) and test_batch.bin (held out)."
+    )
+    eval_size: int | None = Field(
+        None, ge=1, description="Held-out samples used by evaluation (None: all)."
+    )
+
+
+DataSpec = Annotated[SyntheticData | Cifar10Data, Field(discriminator="kind")]
+
+
+class JobSpec(_Strict):
     """One training job as the coordinator runs it."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    job_id: JobId = JobId("job")
-    model: ModelSpec
-    seed: int = 0
-    rounds: int = Field(10, ge=1)
-    optimizer: OptimizerSpec = OptimizerSpec()
-    policy: Literal["1f1b", "gpipe"] = "1f1b"
+    job_id: JobId = Field(JobId("job"), description="Name of the job; keys its state and weights.")
+    model: ModelSpec = Field(description="Zoo name (or package.module:factory) and options.")
+    dataset: DataSpec = Field(SyntheticData(), description="Where samples come from.")
+    seed: int = Field(0, ge=0, description="Seed of the initial weights and of the data order.")
+    rounds: int | None = Field(
+        None, ge=1, description="Optimizer steps to run (give rounds or epochs; default 10)."
+    )
+    epochs: float | None = Field(
+        None, gt=0, description="Passes over a finite training set (instead of rounds)."
+    )
     global_batch: int | None = Field(
-        None, ge=1, description="Samples per round; required when a planner makes the plan."
+        None, ge=1, description="Samples per round (required unless the plan is a file)."
     )
-    microbatches: int | None = Field(None, ge=1, description="Micro-batches per round.")
+    micro_batch: int | None = Field(
+        None, ge=1, description="Samples per micro-batch; must divide global_batch."
+    )
+    optimizer: OptimizerSpec = Field(OptimizerSpec(), description="Optimizer and schedule.")
+    policy: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule.")
+    planner: str = Field("asteroid", description="Planner that makes the plan.")
+    eval_every: int = Field(
+        0, ge=0, description="Rounds between held-out evaluations (0: only after the last)."
+    )
     checkpoint_every: int = Field(
-        0, ge=0, description="Rounds between checkpoints (0: only final)."
+        0, ge=0, description="Rounds between checkpoints (0: only the final one)."
     )
+    min_workers: int = Field(1, ge=1, description="Workers to wait for before planning.")
+
+    @model_validator(mode="after")
+    def _geometry(self) -> JobSpec:
+        if self.rounds is not None and self.epochs is not None:
+            raise ValueError("give rounds or epochs, not both")
+        if self.micro_batch is not None:
+            if self.global_batch is None:
+                raise ValueError("micro_batch needs global_batch")
+            if self.global_batch % self.micro_batch:
+                raise ValueError(
+                    f"global_batch {self.global_batch} is not a multiple of "
+                    f"micro_batch {self.micro_batch}"
+                )
+        if self.epochs is not None:
+            if self.global_batch is None:
+                raise ValueError("epochs need global_batch")
+            if isinstance(self.dataset, SyntheticData) and self.dataset.train_size is None:
+                raise ValueError("epochs need a finite dataset (set dataset.train_size)")
+        return self
+
+    @property
+    def microbatches(self) -> int | None:
+        """Micro-batches per round, when the spec fixes the geometry."""
+        if self.global_batch is None:
+            return None
+        return self.global_batch // (self.micro_batch or self.global_batch)
+
+    def total_rounds(self, train_size: int | None = None) -> int:
+        """Rounds to run: `rounds`, or `epochs` over `train_size` samples (rounded up)."""
+        if self.epochs is None:
+            return self.rounds or 10
+        size = train_size
+        if size is None and isinstance(self.dataset, SyntheticData):
+            size = self.dataset.train_size
+        if size is None or self.global_batch is None:
+            raise ConfigError("epochs need the training set's size and global_batch")
+        return max(1, math.ceil(self.epochs * size / self.global_batch))
+
+
+def learning_rate(spec: OptimizerSpec, round_no: int, total_rounds: int) -> float:
+    """The learning rate of round `round_no` (0-based) of `total_rounds`.
+
+    A pure function of the round so that every worker, a resumed job and the
+    single-process reference agree without exchanging scheduler state.
+    """
+    sched, base = spec.schedule, spec.lr
+    if round_no < sched.warmup_rounds:
+        return base * (0.1 + 0.9 * round_no / sched.warmup_rounds)
+    if sched.kind == "step":
+        return base * sched.gamma ** ((round_no - sched.warmup_rounds) // sched.step_rounds)
+    if sched.kind == "cosine":
+        span = max(1, total_rounds - sched.warmup_rounds - 1)
+        t = min(1.0, (round_no - sched.warmup_rounds) / span)
+        return sched.min_lr + (base - sched.min_lr) * 0.5 * (1 + math.cos(math.pi * t))
+    return base
+
+
+def validation_message(exc: ValidationError) -> str:
+    """The first error of a pydantic ValidationError as "field.path: what is wrong"."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "job"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif err["type"] == "missing":
+        msg = "required but missing"
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{where}: {msg}{more}"
 
 
 def load_job(path: Path) -> JobSpec:
-    """Read a job spec from YAML or JSON, with errors that name the file and field."""
+    """Read a job spec from YAML or JSON, with an error that names the file and field."""
     try:
-        return JobSpec.model_validate(yaml.safe_load(path.read_text()))
-    except ValidationError as exc:
-        raise ConfigError(f"job {path} is invalid: {exc}") from exc
+        data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read job {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"job {path}: expected a mapping of fields, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"job {path}: {validation_message(exc)}") from exc

@@ -17,25 +17,33 @@ from common.ids import DeviceId
 from common.job import JobSpec
 from common.plan import Plan
 from common.profile import ClusterSpec
+from common.zoo import ModelSpec
 
 __all__ = [
     "PROTOCOL_VERSION",
     "Activation",
     "Assign",
     "Assigned",
+    "CancelJob",
     "CheckpointSaved",
+    "EvalDone",
     "Gradient",
     "Heartbeat",
+    "JobReply",
     "Message",
     "PlanReply",
     "PlanRequest",
+    "ProfileReply",
+    "ProfileRequest",
     "ReduceChunk",
     "RoundDone",
+    "RunEval",
     "RunRound",
     "SaveCheckpoint",
     "ServiceHello",
     "Shutdown",
     "StageTimings",
+    "SubmitJob",
     "WorkerError",
     "message_adapter",
 ]
@@ -102,6 +110,22 @@ class RoundDone(_Msg):
     timings: StageTimings = StageTimings()
 
 
+class EvalDone(_Msg):
+    """A worker ran its part of the held-out evaluation after round `round`.
+
+    Only the last stage's devices report a loss and correct predictions.
+    """
+
+    type: Literal["eval_done"] = "eval_done"
+    device: DeviceId
+    epoch: int
+    round: int
+    stage: int
+    samples: int
+    loss_sum: float = 0.0
+    correct: int = 0
+
+
 class CheckpointSaved(_Msg):
     """A stage leader wrote its layers of checkpoint `round` to the store."""
 
@@ -140,6 +164,7 @@ class Assign(_Msg):
     from_round: int
     store_url: str
     cluster: str
+    total_rounds: int = Field(0, ge=0, description="Rounds of the job, for the lr schedule.")
 
 
 class RunRound(_Msg):
@@ -148,6 +173,18 @@ class RunRound(_Msg):
     type: Literal["run_round"] = "run_round"
     epoch: int
     round: int
+
+
+class RunEval(_Msg):
+    """Evaluate the weights of round `round` on `batches` global batches of held-out data.
+
+    Forward only, through the same pipeline as training; nothing is updated.
+    """
+
+    type: Literal["run_eval"] = "run_eval"
+    epoch: int
+    round: int
+    batches: int = Field(ge=1)
 
 
 class SaveCheckpoint(_Msg):
@@ -174,6 +211,62 @@ class ServiceHello(_Msg):
     type: Literal["service_hello"] = "service_hello"
     service: str
     pid: int = 0
+    host: str = ""
+
+
+class ProfileRequest(_Msg):
+    """Profile `model` as a worker with this fingerprint runs it, unless cached.
+
+    A profiler accepts only when its own fingerprint for (`threads`,
+    `memory_budget`) equals `fingerprint`: a profile must come from the same
+    kind of device as the worker that will use it.
+    """
+
+    type: Literal["profile_request"] = "profile_request"
+    job_id: str
+    model: ModelSpec
+    fingerprint: str
+    threads: int = Field(ge=1)
+    memory_budget: int = Field(0, ge=0)
+    batch_sizes: list[int] = Field(default_factory=list)
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+
+
+class ProfileReply(_Msg):
+    """The profile is in Redis under `profile:<key>`; or `error` (`mine` False: wrong device)."""
+
+    type: Literal["profile_reply"] = "profile_reply"
+    job_id: str
+    fingerprint: str
+    ok: bool
+    mine: bool = True
+    key: str = ""
+    error: str = ""
+    seconds: float = 0.0
+
+
+class SubmitJob(_Msg):
+    """A person (through the CLI) asks the coordinator to run a job."""
+
+    type: Literal["submit_job"] = "submit_job"
+    job: JobSpec
+
+
+class CancelJob(_Msg):
+    """Stop a submitted or running job; its last committed checkpoint stays."""
+
+    type: Literal["cancel_job"] = "cancel_job"
+    job_id: str
+    reason: str = "cancelled by request"
+
+
+class JobReply(_Msg):
+    """The coordinator's answer to SubmitJob or CancelJob."""
+
+    type: Literal["job_reply"] = "job_reply"
+    job_id: str
+    ok: bool
+    error: str = ""
 
 
 class PlanRequest(_Msg):
@@ -214,6 +307,7 @@ class Activation(_Msg):
     stage: int
     lo: int
     hi: int
+    phase: Literal["train", "eval"] = "train"
 
 
 class Gradient(_Msg):
@@ -251,10 +345,17 @@ Message = Annotated[
     | Assign
     | RunRound
     | SaveCheckpoint
+    | RunEval
+    | EvalDone
     | Shutdown
     | ServiceHello
     | PlanRequest
     | PlanReply
+    | ProfileRequest
+    | ProfileReply
+    | SubmitJob
+    | CancelJob
+    | JobReply
     | Activation
     | Gradient
     | ReduceChunk,

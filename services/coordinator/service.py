@@ -241,19 +241,22 @@ class Coordinator:
             start = 0
             save_stage(self.store, jid, 0, model, None, 0)
             commit_checkpoint(self.store, jid, 0, len(model))
-        elif start >= job.rounds:
-            raise JobFailed(f"job {jid} already has a checkpoint of round {start} >= {job.rounds}")
+        elif start >= job.total_rounds():
+            raise JobFailed(
+                f"job {jid} already has a checkpoint of round {start} >= {job.total_rounds()}"
+            )
         epoch = self._assign_all(job, plan, start)
         self._job_state(jid, "running", epoch=epoch, round=start)
-        summary = JobSummary(job_id=jid, rounds=job.rounds)
+        total = job.total_rounds()
+        summary = JobSummary(job_id=jid, rounds=total)
         every = job.checkpoint_every
-        for r in range(start, job.rounds):
+        for r in range(start, total):
             bind_global(round=r)
             self._round(job, plan, epoch, r, summary)
-            if r + 1 == job.rounds or (every and (r + 1) % every == 0):
+            if r + 1 == total or (every and (r + 1) % every == 0):
                 self._checkpoint(jid, plan, epoch, r + 1, len(model))
                 summary.checkpoints.append(r + 1)
-        self._job_state(jid, "finished", round=job.rounds)
+        self._job_state(jid, "finished", round=total)
         return summary
 
     def _assign_all(self, job: JobSpec, plan: Plan, start: int) -> int:

@@ -15,6 +15,7 @@ from types import TracebackType
 import redis
 
 from common.errors import StoreError
+from common.procs import spawn
 
 __all__ = ["EmbeddedRedis", "redis_server_binary"]
 
@@ -52,7 +53,7 @@ class EmbeddedRedis:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> EmbeddedRedis:
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [
                 redis_server_binary(),
                 "--port",
@@ -63,9 +64,7 @@ class EmbeddedRedis:
                 "",
                 "--appendonly",
                 "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            ]
         )
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
         deadline = time.monotonic() + self.start_timeout_s

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from common.errors import ConfigError
 from common.ids import JobId
@@ -92,17 +92,17 @@ class JobSpec(_Strict):
     model: ModelSpec = Field(description="Zoo name (or package.module:factory) and options.")
     dataset: DataSpec = Field(SyntheticData(), description="Where samples come from.")
     seed: int = Field(0, ge=0, description="Seed of the initial weights and of the data order.")
-    rounds: int | None = Field(
-        None, ge=1, description="Optimizer steps to run (give rounds or epochs; default 10)."
-    )
-    epochs: float | None = Field(
-        None, gt=0, description="Passes over a finite training set (instead of rounds)."
-    )
     global_batch: int | None = Field(
         None, ge=1, description="Samples per round (required unless the plan is a file)."
     )
     micro_batch: int | None = Field(
         None, ge=1, description="Samples per micro-batch; must divide global_batch."
+    )
+    rounds: int | None = Field(
+        None, ge=1, description="Optimizer steps to run (give rounds or epochs; default 10)."
+    )
+    epochs: float | None = Field(
+        None, gt=0, description="Passes over a finite training set (instead of rounds)."
     )
     optimizer: OptimizerSpec = Field(OptimizerSpec(), description="Optimizer and schedule.")
     policy: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule.")
@@ -115,24 +115,29 @@ class JobSpec(_Strict):
     )
     min_workers: int = Field(1, ge=1, description="Workers to wait for before planning.")
 
-    @model_validator(mode="after")
-    def _geometry(self) -> JobSpec:
-        if self.rounds is not None and self.epochs is not None:
+    @field_validator("micro_batch")
+    @classmethod
+    def _divides(cls, v: int | None, info: ValidationInfo) -> int | None:
+        gb = info.data.get("global_batch")
+        if v is not None and gb is None:
+            raise ValueError("micro_batch needs global_batch")
+        if v is not None and gb is not None and gb % v:
+            raise ValueError(f"global_batch {gb} is not a multiple of micro_batch {v}")
+        return v
+
+    @field_validator("epochs")
+    @classmethod
+    def _finite(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is None:
+            return v
+        if info.data.get("rounds") is not None:
             raise ValueError("give rounds or epochs, not both")
-        if self.micro_batch is not None:
-            if self.global_batch is None:
-                raise ValueError("micro_batch needs global_batch")
-            if self.global_batch % self.micro_batch:
-                raise ValueError(
-                    f"global_batch {self.global_batch} is not a multiple of "
-                    f"micro_batch {self.micro_batch}"
-                )
-        if self.epochs is not None:
-            if self.global_batch is None:
-                raise ValueError("epochs need global_batch")
-            if isinstance(self.dataset, SyntheticData) and self.dataset.train_size is None:
-                raise ValueError("epochs need a finite dataset (set dataset.train_size)")
-        return self
+        if info.data.get("global_batch") is None:
+            raise ValueError("epochs need global_batch")
+        data = info.data.get("dataset")
+        if isinstance(data, SyntheticData) and data.train_size is None:
+            raise ValueError("epochs need a finite dataset (set dataset.train_size)")
+        return v
 
     @property
     def microbatches(self) -> int | None:

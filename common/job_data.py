@@ -14,12 +14,13 @@ import functools
 
 import torch
 
+from common.cifar10 import Cifar10Folder, Cifar10Images, check_model, find_folder
 from common.data import Dataset, dataset_for, split_indices
 from common.errors import ConfigError
 from common.job import Cifar10Data, JobSpec, SyntheticData
 from common.zoo import ZooModel
 
-__all__ = ["JobData", "open_data"]
+__all__ = ["JobData", "eval_size", "open_data", "train_size"]
 
 
 class JobData:
@@ -49,7 +50,7 @@ class JobData:
         idx = torch.empty_like(positions)
         for e in torch.unique(epochs).tolist():
             sel = epochs == e
-            idx[sel] = self._order(int(e))[positions[sel] % n]
+            idx[sel] = self._order(int(e), n)[positions[sel] % n]
         if self._synthetic:
             idx = idx + split_indices("train", 0, 1)[0]
         return self.train.batch(idx)
@@ -62,10 +63,10 @@ class JobData:
         return self.held_out.batch(idx)
 
     @functools.lru_cache(maxsize=4)  # noqa: B019 - a few epochs' orders per JobData
-    def _order(self, epoch: int) -> torch.Tensor:
+    def _order(self, epoch: int, size: int) -> torch.Tensor:
+        """The sample order of `epoch`: a permutation of `size`, a function of (seed, epoch)."""
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (1 << 63))
-        assert self.train_size is not None
-        return torch.randperm(self.train_size, generator=gen)
+        return torch.randperm(size, generator=gen)
 
 
 def open_data(job: JobSpec, model: ZooModel) -> JobData:
@@ -80,5 +81,56 @@ def open_data(job: JobSpec, model: ZooModel) -> JobData:
         data = dataset_for(model, job.seed)
         return JobData(data, data, spec.train_size, spec.eval_size, job.seed, synthetic=True)
     if isinstance(spec, Cifar10Data):
-        raise ConfigError("dataset.kind cifar10 is not available yet")
+        check_model(model)
+        folder = _cifar10_folder(spec)
+        train, held_out = Cifar10Images(folder.train), Cifar10Images((folder.test,))
+        evals = spec.eval_size or folder.test_records
+        return JobData(train, held_out, folder.train_records, evals, job.seed, synthetic=False)
     raise ConfigError(f"dataset.kind {spec!r} is unknown")
+
+
+def train_size(job: JobSpec) -> int | None:
+    """Training samples of `job` (None: unbounded), without building its model.
+
+    Lets the coordinator check the data and turn `epochs` into rounds when a job
+    is submitted, before any device is asked to load anything.
+
+    Raises:
+        ConfigError: The dataset's files are missing or malformed.
+
+    """
+    spec = job.dataset
+    if isinstance(spec, SyntheticData):
+        return spec.train_size
+    if isinstance(spec, Cifar10Data):
+        return _cifar10_folder(spec).train_records
+    raise ConfigError(f"dataset.kind {spec!r} is unknown")
+
+
+def eval_size(job: JobSpec) -> int:
+    """Held-out samples one evaluation of `job` covers, without building its model.
+
+    Lets the coordinator size evaluation requests without loading the data.
+
+    Raises:
+        ConfigError: The dataset's files are missing or malformed.
+
+    """
+    spec = job.dataset
+    if isinstance(spec, SyntheticData):
+        return spec.eval_size
+    if isinstance(spec, Cifar10Data):
+        folder = _cifar10_folder(spec)
+        return spec.eval_size or folder.test_records
+    raise ConfigError(f"dataset.kind {spec!r} is unknown")
+
+
+def _cifar10_folder(spec: Cifar10Data) -> Cifar10Folder:
+    """The checked folder of `spec`, with `eval_size` checked against its held-out file."""
+    folder = find_folder(spec.path)
+    if spec.eval_size is not None and spec.eval_size > folder.test_records:
+        raise ConfigError(
+            f"dataset.eval_size: {spec.eval_size} exceeds the {folder.test_records} "
+            f"records of {folder.test}"
+        )
+    return folder

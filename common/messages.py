@@ -250,6 +250,7 @@ class SubmitJob(_Msg):
 
     type: Literal["submit_job"] = "submit_job"
     job: JobSpec
+    replace: bool = Field(False, description="Start afresh if a finished job has this id.")
 
 
 class CancelJob(_Msg):

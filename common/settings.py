@@ -81,9 +81,20 @@ class CoordinatorSettings(CommonSettings):
         "`planner:NAME` (ask the planner service, with --cluster-spec).",
     )
     cluster_spec: Path | None = Field(
-        None, description="Cluster spec (YAML: devices, memory, bandwidth) for `planner:NAME`."
+        None,
+        description="Cluster spec (YAML: devices, memory, bandwidth) for planning; without "
+        "it, devices come from the workers that joined.",
     )
     plan_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the planner.")
+    profile_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for one device kind's profile."
+    )
+    link_bandwidth: float = Field(
+        125e6,
+        gt=0,
+        description="Bytes/s the planner assumes between workers when no --cluster-spec "
+        "gives the links.",
+    )
     resume: bool = Field(False, description="Continue --job from its newest committed checkpoint.")
     shutdown_workers: bool = Field(
         False, description="Tell the workers to exit when the --job finishes."

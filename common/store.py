@@ -108,6 +108,13 @@ class Store:
             out.append({k.decode(): json.loads(v) for k, v in fields.items()})
         return out
 
+    def read_after(self, stream: str, job: str, after: str) -> tuple[list[dict[str, Any]], str]:
+        """Entries newer than id `after` ("0" for all) and the id of the newest one read."""
+        raw = self.r.xrange(self.key(stream, job), min=f"({after}" if after != "0" else "-")
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], raw)
+        out = [{k.decode(): json.loads(v) for k, v in fields.items()} for _, fields in entries]
+        return out, (entries[-1][0].decode() if entries else after)
+
     def set_fields(self, mapping: dict[str, Any], *parts: object) -> None:
         """Set fields of a hash (values JSON-encoded)."""
         self.r.hset(self.key(*parts), mapping={k: json.dumps(v) for k, v in mapping.items()})

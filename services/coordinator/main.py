@@ -1,7 +1,9 @@
 """`asteroid-coordinator`: the central node of a cluster.
 
-With `--job` and `--plan` it runs that job and exits with a named exit code;
-without, it serves the registry until SIGTERM/SIGINT.
+Without `--job` it serves: workers join, `asteroid train` submits jobs, each
+runs through profiling, planning and training, until SIGTERM/SIGINT. With
+`--job` it runs that one job (profiled and planned, or with `--plan`) and
+exits with a named exit code.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def _plan_request(settings: CoordinatorSettings, job: JobSpec, planner: str) -> 
 
 def run(settings: CoordinatorSettings) -> ExitCode:
     """Run the coordinator as configured; returns the exit code."""
-    if (settings.job is None) != (settings.plan is None):
-        log.error("--job and --plan go together")
+    if settings.plan is not None and settings.job is None:
+        log.error("--plan needs --job")
         return ExitCode.CONFIG
     try:
         job = load_job(settings.job) if settings.job else None
@@ -90,10 +92,10 @@ def run(settings: CoordinatorSettings) -> ExitCode:
     coord = Coordinator(settings)
     log.info("coordinator listening", bind=coord.endpoint)
     try:
-        plan = _plan(coord, settings, job) if job and settings.plan else None
-        if job is None or plan is None:
-            while True:
-                coord.pump(1.0)
+        if job is None:
+            coord.serve()
+            return ExitCode.OK
+        plan = _plan(coord, settings, job) if settings.plan else None
         summary = coord.run_job(job, plan, resume=settings.resume)
         log.info("job finished", job=summary.job_id, losses=[round(x, 4) for x in summary.losses])
         return ExitCode.OK
@@ -104,10 +106,11 @@ def run(settings: CoordinatorSettings) -> ExitCode:
         log.error("job failed", error=str(exc))
         return ExitCode.JOB_FAILED
     except KeyboardInterrupt:
+        log.info("coordinator stopped")
         return ExitCode.INTERRUPTED
     finally:
         if settings.shutdown_workers:
-            coord.shutdown_workers("job ended")
+            coord.shutdown_workers("coordinator stopped")
         coord.close()
 
 
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = CliApp.run(CoordinatorSettings, cli_args=sys.argv[1:] if argv is None else argv)
     configure_logging(settings.log_level, settings.log_format)
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     sys.exit(int(run(settings)))
 
 

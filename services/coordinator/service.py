@@ -1,70 +1,57 @@
-"""The coordinator: registry, job driver, round commits, checkpoints.
+"""The coordinator: registry, job queue, and the requests jobs make of workers and services.
 
 One thread, one ROUTER: `pump()` takes whatever arrived (heartbeats update the
-membership, everything else waits in the inbox) and the job driver gathers
-the replies it needs with explicit timeouts, failing the job with a message
-that names the worker when one reports an error or stops heartbeating.
+membership, hellos the service list, people's submit and cancel requests are
+answered at once, everything else waits in the inbox) and a running job
+(`jobs.JobRun`) gathers the replies it needs with explicit timeouts, failing
+with a message that names the worker when one reports an error or stops
+heartbeating.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import yaml
 import zmq
+from pydantic import ValidationError
 
-from common.checkpoint import commit_checkpoint, latest_round, save_stage
 from common.codec import Limits, recv_message, send_message
-from common.errors import AsteroidError, PlanError, ProtocolError
+from common.errors import AsteroidError, ConfigError, PlanError, ProtocolError
 from common.ids import DeviceId
 from common.job import JobSpec
-from common.logging import bind_global, get_logger
+from common.logging import get_logger
 from common.messages import (
-    Assign,
-    Assigned,
-    CheckpointSaved,
+    CancelJob,
     Heartbeat,
+    JobReply,
     Message,
     PlanReply,
     PlanRequest,
-    RoundDone,
-    RunRound,
-    SaveCheckpoint,
     ServiceHello,
     Shutdown,
+    SubmitJob,
     WorkerError,
 )
 from common.plan import Plan
+from common.profile import ClusterSpec
 from common.settings import CoordinatorSettings
 from common.sockets import bind_router
 from common.store import Store
-from common.zoo import build_model
+from services.coordinator.checks import check_job
+from services.coordinator.jobs import JobCancelled, JobFailed, JobRun, JobSummary
+from services.coordinator.lifecycle import ACTIVE
 from services.coordinator.membership import Members, dead, on_heartbeat
 
-__all__ = ["Coordinator", "JobFailed", "JobSummary"]
+__all__ = ["Coordinator", "JobCancelled", "JobFailed", "JobSummary"]
 
 log = get_logger(__name__)
 NAME = "coordinator"
 PLANNER = "planner"
-
-
-class JobFailed(AsteroidError):
-    """The job cannot continue; the message says which worker and why."""
-
-
-@dataclass
-class JobSummary:
-    """What a finished job reports."""
-
-    job_id: str
-    rounds: int
-    losses: list[float] = field(default_factory=list)
-    accuracies: list[float] = field(default_factory=list)
-    round_s: list[float] = field(default_factory=list)
-    max_alive: dict[str, int] = field(default_factory=dict)
-    checkpoints: list[int] = field(default_factory=list)
 
 
 class Coordinator:
@@ -80,6 +67,9 @@ class Coordinator:
         self.inbox: deque[tuple[DeviceId, Message]] = deque()
         self.bad_messages = 0
         self.services: dict[str, float] = {}
+        self.queue: deque[tuple[JobSpec, int]] = deque()
+        self.running: str | None = None
+        self.cancelled: dict[str, str] = {}
 
     # --- transport --------------------------------------------------------------
 
@@ -88,9 +78,14 @@ class Coordinator:
         send_message(self.sock, msg, NAME, route=device.encode())
 
     def pump(self, timeout_s: float) -> None:
-        """Process everything that arrives within `timeout_s` (at least one poll)."""
-        deadline = time.monotonic() + timeout_s
-        while self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+        """Wait up to `timeout_s` for a message, then process all that are waiting.
+
+        Returns as soon as the socket is drained, so a caller waiting for a
+        reply sees it without sitting out the rest of its poll interval.
+        """
+        wait_ms = int(timeout_s * 1000)
+        while self.sock.poll(wait_ms, zmq.POLLIN):
+            wait_ms = 0
             try:
                 peer, env = recv_message(self.sock, self.limits, routed=True)
             except ProtocolError as exc:
@@ -112,10 +107,10 @@ class Coordinator:
                 if env.msg.service not in self.services:
                     log.info("service joined", service=env.msg.service, peer=peer)
                 self.services[env.msg.service] = time.monotonic()
+            elif isinstance(env.msg, SubmitJob | CancelJob):
+                self._client(peer, env.msg)
             else:
                 self.inbox.append((DeviceId(peer), env.msg))
-            if time.monotonic() >= deadline:
-                break
 
     def _heartbeat(self, hb: Heartbeat) -> None:
         if hb.device not in self.members:
@@ -134,6 +129,74 @@ class Coordinator:
                     f"workers {missing} did not join within {timeout_s:.0f} s "
                     f"(joined: {sorted(self.members)})"
                 )
+            self.pump(0.1)
+
+    def alive(self) -> Members:
+        """Workers whose heartbeats are current."""
+        now = time.monotonic()
+        gone = set(
+            dead(self.members, now, self.settings.heartbeat_s, self.settings.heartbeat_misses)
+        )
+        return {d: m for d, m in self.members.items() if d not in gone}
+
+    def wait_for_count(self, count: int, timeout_s: float) -> None:
+        """Block until at least `count` workers are alive."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.alive()) < count:
+            if time.monotonic() > deadline:
+                raise JobFailed(
+                    f"min_workers: {count} workers wanted, {len(self.alive())} joined within "
+                    f"{timeout_s:.0f} s ({sorted(self.alive())})"
+                )
+            if self.running:
+                self.check_cancelled(self.running)
+            self.pump(0.1)
+
+    def cluster_base(self) -> ClusterSpec | None:
+        """The cluster spec file given with --cluster-spec, if any."""
+        path: Path | None = self.settings.cluster_spec
+        if path is None:
+            return None
+        try:
+            return ClusterSpec.model_validate(yaml.safe_load(path.read_text()))
+        except (OSError, yaml.YAMLError, ValidationError) as exc:
+            raise ConfigError(f"cluster spec {path} is invalid: {exc}") from exc
+
+    def profilers(self, timeout_s: float) -> list[str]:
+        """Profiler services heard from recently, waiting up to `timeout_s` for one."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            fresh = (
+                time.monotonic() - 10 * self.settings.heartbeat_s * self.settings.heartbeat_misses
+            )
+            found = sorted(
+                n for n, t in self.services.items() if n.startswith("profiler") and t > fresh
+            )
+            if found or time.monotonic() > deadline:
+                return found
+            self.pump(0.1)
+
+    def request(
+        self,
+        service: str,
+        msg: Message,
+        match: Callable[[Message], bool],
+        timeout_s: float,
+        what: str,
+    ) -> Any:
+        """Send `msg` to a service and wait for the first reply `match` accepts."""
+        self.send(DeviceId(service), msg)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for _ in range(len(self.inbox)):
+                peer, got = self.inbox.popleft()
+                if peer == service and match(got):
+                    return got
+                self.inbox.append((peer, got))
+            if self.running:
+                self.check_cancelled(self.running)
+            if time.monotonic() > deadline:
+                raise JobFailed(f"{service} did not send the {what} within {timeout_s:.0f} s")
             self.pump(0.1)
 
     def gather(
@@ -192,153 +255,124 @@ class Coordinator:
                     f"no planner service joined within {timeout_s:.0f} s (start asteroid-planner "
                     f"with --coordinator {self.endpoint})"
                 )
+            if self.running:
+                self.check_cancelled(self.running)
             self.pump(0.1)
-        self.send(DeviceId(PLANNER), req)
-        while True:
-            for _ in range(len(self.inbox)):
-                peer, msg = self.inbox.popleft()
-                if isinstance(msg, PlanReply) and msg.job_id == req.job_id:
-                    if not msg.ok:
-                        raise PlanError(f"planner {req.planner!r} failed: {msg.error}")
-                    data = self.store.get_json("plan", req.job_id)
-                    return Plan.model_validate(data)
-                self.inbox.append((peer, msg))
-            if time.monotonic() > deadline:
-                raise JobFailed(f"the planner did not answer within {timeout_s:.0f} s")
-            self.pump(0.1)
+        reply: PlanReply = self.request(
+            PLANNER,
+            req,
+            lambda m: isinstance(m, PlanReply) and m.job_id == req.job_id,
+            max(0.0, deadline - time.monotonic()),
+            what="plan",
+        )
+        if not reply.ok:
+            raise PlanError(f"planner {req.planner!r} failed: {reply.error}")
+        return Plan.model_validate(self.store.get_json("plan", req.job_id))
 
     # --- jobs -------------------------------------------------------------------
 
-    def run_job(self, job: JobSpec, plan: Plan, resume: bool = False) -> JobSummary:
-        """Run `job` with `plan` to its last round; raises JobFailed.
+    def run_job(self, job: JobSpec, plan: Plan | None = None, resume: bool = False) -> JobSummary:
+        """Run `job` to its last round (with `plan`, or profiled and planned); raises.
 
         With `resume`, start from the job's newest committed checkpoint (possibly
         written under another plan): workers are re-assigned, not restarted.
         """
+        total = check_job(job)
+        self._register(job, total)
+        return JobRun(self, job, total).run(plan, resume)
+
+    def serve(self, stop_after: str | None = None) -> JobSummary | None:
+        """Run submitted jobs one after another until interrupted.
+
+        With `stop_after`, return once that job has ended (its summary, or None
+        if it did not finish).
+        """
+        while True:
+            self.pump(0.2)
+            if not self.queue:
+                continue
+            job, total = self.queue.popleft()
+            summary = None
+            try:
+                summary = JobRun(self, job, total).run()
+            except AsteroidError as exc:
+                log.error("job ended", job=job.job_id, error=str(exc))
+            if stop_after == job.job_id:
+                return summary
+
+    def submit(self, job: JobSpec, replace: bool = False) -> None:
+        """Check `job` and queue it; ConfigError says what is wrong and nothing starts."""
+        total = check_job(job)
+        old = self.store.get_fields("job", job.job_id)
+        state = old.get("state")
+        if state in ACTIVE or any(q.job_id == job.job_id for q, _ in self.queue):
+            raise ConfigError(f"job_id: job {job.job_id} is already {state or 'queued'}")
+        if state and not replace:
+            raise ConfigError(
+                f"job_id: job {job.job_id} exists ({state}); pick another job_id or replace it"
+            )
+        self._register(job, total)
+        self.queue.append((job, total))
+
+    def _register(self, job: JobSpec, total: int) -> None:
+        """Forget an earlier run of this job id and record the new one as submitted."""
         jid = job.job_id
-        bind_global(job=jid)
-        zoo = build_model(job.model, job.seed)
-        plan.validate_for(len(zoo.layers))
-        self.store.put_json(plan.model_dump(mode="json"), "plan", jid)
-        self._job_state(jid, "submitted")
-        try:
-            return self._drive(job, plan, zoo.full(), resume)
-        except AsteroidError as exc:
-            self._job_state(jid, "failed", error=str(exc))
-            raise
-
-    def _job_state(self, jid: str, state: str, **extra: Any) -> None:
-        self.store.set_fields({"state": state, "updated": time.time(), **extra}, "job", jid)
-        self.store.append("events", jid, {"event": state, **extra})
-        log.info("job state", state=state, **extra)
-
-    def _drive(self, job: JobSpec, plan: Plan, model: Any, resume: bool) -> JobSummary:
-        jid, devices = job.job_id, plan.devices
-        s = self.settings
-        self.wait_for_devices(devices, s.join_timeout_s)
-        start = latest_round(self.store, jid) if resume else None
-        if start is None:
-            start = 0
-            save_stage(self.store, jid, 0, model, None, 0)
-            commit_checkpoint(self.store, jid, 0, len(model))
-        elif start >= job.total_rounds():
-            raise JobFailed(
-                f"job {jid} already has a checkpoint of round {start} >= {job.total_rounds()}"
-            )
-        epoch = self._assign_all(job, plan, start)
-        self._job_state(jid, "running", epoch=epoch, round=start)
-        total = job.total_rounds()
-        summary = JobSummary(job_id=jid, rounds=total)
-        every = job.checkpoint_every
-        for r in range(start, total):
-            bind_global(round=r)
-            self._round(job, plan, epoch, r, summary)
-            if r + 1 == total or (every and (r + 1) % every == 0):
-                self._checkpoint(jid, plan, epoch, r + 1, len(model))
-                summary.checkpoints.append(r + 1)
-        self._job_state(jid, "finished", round=total)
-        return summary
-
-    def _assign_all(self, job: JobSpec, plan: Plan, start: int) -> int:
-        """Give every device its stage under a new plan epoch; returns the epoch."""
-        s = self.settings
-        epoch = int(self.store.r.incr(self.store.key("epoch")))
-        peers = {str(d): self.members[d].info.data_addr for d in plan.devices}
-        for d in plan.devices:
-            msg = Assign(
-                epoch=epoch,
-                job=job,
-                plan=plan,
-                stage=plan.stage_of(d),
-                peers=peers,
-                from_round=start,
-                store_url=s.redis_url,
-                cluster=s.cluster,
-            )
-            self.send(d, msg)
-        self.gather(Assigned, plan.devices, epoch, start, s.round_timeout_s)
-        return epoch
-
-    def _round(self, job: JobSpec, plan: Plan, epoch: int, r: int, summary: JobSummary) -> None:
-        """Run round `r` on every device and commit it."""
-        t0 = time.perf_counter()
-        for d in plan.devices:
-            self.send(d, RunRound(epoch=epoch, round=r))
-        done = self.gather(RoundDone, plan.devices, epoch, r, self.settings.round_timeout_s)
-        elapsed = time.perf_counter() - t0
-        last = [a.device for a in plan.stages[-1].devices]
-        loss = sum(done[d].loss_sum for d in last)
-        acc = sum(done[d].correct for d in last) / plan.global_batch
-        self._commit_round(job.job_id, r, epoch, loss, acc, elapsed, plan, done)
-        summary.losses.append(loss)
-        summary.accuracies.append(acc)
-        summary.round_s.append(elapsed)
-        for d, msg in done.items():
-            summary.max_alive[d] = max(summary.max_alive.get(d, 0), msg.max_alive)
-
-    def _checkpoint(self, jid: str, plan: Plan, epoch: int, round_no: int, layers: int) -> None:
-        """Have each stage's leader write its layers, then commit checkpoint `round_no`."""
-        leaders = [st.devices[0].device for st in plan.stages]
-        for d in leaders:
-            self.send(d, SaveCheckpoint(epoch=epoch, round=round_no))
-        self.gather(CheckpointSaved, leaders, epoch, round_no, self.settings.round_timeout_s)
-        commit_checkpoint(self.store, jid, round_no, layers)
-        self.store.append("events", jid, {"event": "checkpoint", "round": round_no})
-
-    def _commit_round(
-        self,
-        jid: str,
-        r: int,
-        epoch: int,
-        loss: float,
-        acc: float,
-        elapsed: float,
-        plan: Plan,
-        done: dict[DeviceId, RoundDone],
-    ) -> None:
-        """Record round `r` as committed: weights now belong to round r+1."""
-        self.store.set_fields({"round": r + 1, "epoch": epoch, "updated": time.time()}, "job", jid)
-        self.store.append(
-            "metrics",
+        self.store.r.delete(
+            *(self.store.key(part, jid) for part in ("job", "events", "metrics", "plan", "cluster"))
+        )
+        self.store.delete_prefix("ckpt", jid, "")
+        self.store.put_json(job.model_dump(mode="json"), "jobspec", jid)
+        self.store.set_fields(
+            {"state": "submitted", "submitted": time.time(), "total_rounds": total, "round": 0},
+            "job",
             jid,
-            {
-                "round": r,
-                "loss": loss,
-                "accuracy": acc,
-                "round_s": elapsed,
-                "samples_per_s": plan.global_batch / elapsed,
-                "devices": {
-                    d: {"stage": m.stage, "max_alive": m.max_alive, **m.timings.model_dump()}
-                    for d, m in done.items()
-                },
-            },
         )
-        log.info(
-            "round committed",
-            loss=round(loss, 5),
-            accuracy=round(acc, 3),
-            round_s=round(elapsed, 3),
-        )
+        self.store.r.zadd(self.store.key("jobs"), {jid: time.time()})
+        self.store.append("events", jid, {"event": "submitted"})
+
+    def _client(self, peer: str, msg: SubmitJob | CancelJob) -> None:
+        """Answer a person's request (through the CLI) with a JobReply."""
+        if isinstance(msg, SubmitJob):
+            self._on_submit(peer, msg)
+        else:
+            self._on_cancel(peer, msg)
+
+    def _on_submit(self, peer: str, msg: SubmitJob) -> None:
+        jid = msg.job.job_id
+        try:
+            self.submit(msg.job, msg.replace)
+        except ConfigError as exc:
+            self.send(DeviceId(peer), JobReply(job_id=jid, ok=False, error=str(exc)))
+            return
+        log.info("job submitted", job=jid, by=peer)
+        self.send(DeviceId(peer), JobReply(job_id=jid, ok=True))
+
+    def _on_cancel(self, peer: str, msg: CancelJob) -> None:
+        jid = msg.job_id
+        queued = [q for q, _ in self.queue if q.job_id == jid]
+        if queued:
+            self.queue = deque((q, t) for q, t in self.queue if q.job_id != jid)
+            self.store.set_fields({"state": "cancelled", "reason": msg.reason}, "job", jid)
+            self.store.append("events", jid, {"event": "cancelled", "reason": msg.reason})
+        elif self.running == jid:
+            self.cancelled[jid] = msg.reason
+        else:
+            state = self.store.get_fields("job", jid).get("state", "unknown")
+            self.send(
+                DeviceId(peer),
+                JobReply(
+                    job_id=jid, ok=False, error=f"job {jid} is not queued or running ({state})"
+                ),
+            )
+            return
+        log.info("job cancel requested", job=jid, by=peer)
+        self.send(DeviceId(peer), JobReply(job_id=jid, ok=True))
+
+    def check_cancelled(self, jid: str) -> None:
+        """Raise JobCancelled if someone cancelled job `jid`."""
+        reason = self.cancelled.pop(jid, None)
+        if reason is not None:
+            raise JobCancelled(reason)
 
     def shutdown_workers(self, reason: str) -> None:
         """Tell every known worker to exit."""

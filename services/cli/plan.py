@@ -1,8 +1,7 @@
-"""`asteroid`: the command line for people.
+"""`asteroid plan`: look at a plan before training with it.
 
-`asteroid plan` turns profiles and a cluster spec into a plan with any
-planner, prints it next to the simulator's verdict, and can draw the
-simulated schedule. Exit codes: see `common.exit_codes.ExitCode`.
+Turns profiles and a cluster spec into a plan with any planner, prints it
+next to the simulator's verdict, and can draw the simulated schedule.
 """
 
 from __future__ import annotations
@@ -28,18 +27,10 @@ from services.planner.cost import CostModel
 from services.planner.service import load_profiles
 from services.planner.simulator import SimResult, simulate
 
-__all__ = ["app"]
+__all__ = ["plan", "plan_table"]
 
-app = typer.Typer(
-    help="Asteroid-Edge: hybrid-pipeline training across edge devices.", no_args_is_help=True
-)
 console = Console()
 GiB = 1 << 30
-
-
-@app.callback()
-def _root() -> None:
-    """Asteroid-Edge command line."""
 
 
 def _load_cluster(path: Path) -> ClusterSpec:
@@ -67,7 +58,8 @@ def _profiles(files: list[Path], cluster: ClusterSpec) -> dict[str, Profile]:
         store.close()
 
 
-def _plan_table(plan: Plan, sim: SimResult, cost: CostModel) -> Table:
+def plan_table(plan: Plan, sim: SimResult, cost: CostModel) -> Table:
+    """Each device's stage, layers, share, K_p and simulated peak memory against its budget."""
     table = Table(
         title=f"{plan.planner} plan: {plan.global_batch} samples, {plan.microbatches} micro-batches"
     )
@@ -90,7 +82,6 @@ def _plan_table(plan: Plan, sim: SimResult, cost: CostModel) -> Table:
     return table
 
 
-@app.command()
 def plan(
     cluster: Annotated[Path, typer.Option(help="Cluster spec (YAML): devices, memory, links.")],
     global_batch: Annotated[int, typer.Option(help="Samples per round.")],
@@ -116,7 +107,7 @@ def plan(
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(ExitCode.CONFIG) from exc
     sim = simulate(made, cost)
-    console.print(_plan_table(made, sim, cost))
+    console.print(plan_table(made, sim, cost))
     console.print(
         f"simulated round {sim.round_s * 1000:.1f} ms, {sim.throughput:.1f} samples/s, "
         f"bubbles {sim.bubble_fraction:.0%}; estimate {made.predicted_round_s or 0:.3f} s"

@@ -1,0 +1,49 @@
+"""The CLI's side of the control plane: one request to the coordinator, one reply.
+
+A DEALER with a fresh identity per call (never REQ: a dead coordinator must
+not wedge the socket), and a timeout that names the address it tried.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from common.codec import Limits, recv_message, send_message
+from common.errors import AsteroidError, ProtocolError
+from common.messages import JobReply, Message
+from common.sockets import connect_dealer
+
+__all__ = ["CoordinatorUnreachable", "ask_coordinator"]
+
+
+class CoordinatorUnreachable(AsteroidError):
+    """No reply from the coordinator in time."""
+
+
+def ask_coordinator(address: str, msg: Message, timeout_s: float = 15.0) -> JobReply:
+    """Send `msg` to the coordinator at `address` and return its JobReply."""
+    limits = Limits()
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = connect_dealer(ctx, address, f"cli-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    try:
+        send_message(sock, msg, "cli")
+        deadline = time.monotonic() + timeout_s
+        while sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+            try:
+                _, env = recv_message(sock, limits)
+            except ProtocolError:
+                continue
+            if isinstance(env.msg, JobReply):
+                return env.msg
+        raise CoordinatorUnreachable(
+            f"no coordinator answered at {address} within {timeout_s:.0f} s "
+            "(is asteroid-coordinator running there? see --coordinator)"
+        )
+    finally:
+        sock.close(0)
+        ctx.term()

@@ -1,0 +1,107 @@
+"""Following a job from Redis: a live progress bar, then its final state.
+
+Reads the job's hash and its metrics and events streams (never the
+coordinator's sockets), so any number of people can watch one job and
+watching never slows it down.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from common.store import Store
+from services.coordinator.lifecycle import TERMINAL
+
+__all__ = ["JobView", "follow"]
+
+
+@dataclass
+class JobView:
+    """What following a job saw."""
+
+    state: str = "unknown"
+    error: str = ""
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _describe(job: dict[str, Any], last: dict[str, Any] | None, ev: dict[str, Any] | None) -> str:
+    state = job.get("state", "?")
+    parts = [f"[bold]{state}[/bold]"]
+    if last is not None:
+        parts.append(f"loss {last['loss']:.4f}")
+        parts.append(f"{last['samples_per_s']:.0f} samples/s")
+    if ev is not None:
+        parts.append(f"held-out acc {ev['eval_accuracy']:.1%}")
+    return "  ".join(parts)
+
+
+def follow(
+    store: Store,
+    job_id: str,
+    console: Console,
+    timeout_s: float = 24 * 3600.0,
+    poll_s: float = 0.25,
+) -> JobView:
+    """Show the job's progress until it ends (or `timeout_s`); returns what was seen."""
+    view = JobView()
+    after_m, after_e = "0", "0"
+    columns = (
+        TextColumn("[cyan]{task.fields[job]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("rounds"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.description}"),
+    )
+    deadline = time.monotonic() + timeout_s
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("submitted", total=None, job=job_id)
+        while True:
+            job = store.get_fields("job", job_id)
+            new, after_m = store.read_after("metrics", job_id, after_m)
+            events, after_e = store.read_after("events", job_id, after_e)
+            view.events += events
+            for e in events:
+                if e.get("event") in ("profiling", "planning", "running"):
+                    console.log(f"{job_id}: {e['event']}" + _detail(e))
+            view.rounds += [m for m in new if "loss" in m]
+            view.evals += [m for m in new if "eval_accuracy" in m]
+            total = job.get("total_rounds")
+            bar.update(
+                task,
+                total=total,
+                completed=job.get("round", 0),
+                description=_describe(
+                    job,
+                    view.rounds[-1] if view.rounds else None,
+                    view.evals[-1] if view.evals else None,
+                ),
+            )
+            view.state = job.get("state", "unknown")
+            if view.state in TERMINAL or time.monotonic() > deadline:
+                view.error = job.get("error", job.get("reason", ""))
+                return view
+            time.sleep(poll_s)
+
+
+def _detail(event: dict[str, Any]) -> str:
+    if event["event"] == "profiling":
+        return f" on {', '.join(event.get('workers', []))}"
+    if event["event"] == "planning":
+        return f" with {event.get('planner', '?')}"
+    return f" ({event.get('total_rounds', '?')} rounds)"

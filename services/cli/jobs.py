@@ -1,0 +1,215 @@
+"""`asteroid train | status | cancel | export`: jobs on a running coordinator.
+
+Submission and cancelling go to the coordinator over ZeroMQ; following,
+status and export read Redis. A bad job spec is refused before anything is
+sent, with one error naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any, cast
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from common.errors import AsteroidError, ConfigError
+from common.exit_codes import ExitCode
+from common.export import export_weights
+from common.job import load_job
+from common.messages import CancelJob, SubmitJob
+from common.settings import CommonSettings
+from common.store import Store
+from services.cli.client import ask_coordinator
+from services.cli.follow import JobView, follow
+from services.coordinator.checks import check_job
+
+__all__ = ["cancel", "export", "status", "store_from", "train", "view_exit_code"]
+
+console = Console()
+
+CoordinatorOpt = Annotated[
+    str | None,
+    typer.Option(help="Coordinator control address (default: ASTEROID_COORDINATOR)."),
+]
+RedisOpt = Annotated[str | None, typer.Option(help="Redis URL (default: ASTEROID_REDIS_URL).")]
+ClusterOpt = Annotated[
+    str | None, typer.Option(help="Cluster key prefix (default: ASTEROID_CLUSTER).")
+]
+
+
+def _settings(coordinator: str | None, redis_url: str | None, cluster: str | None) -> Any:
+    overrides: dict[str, Any] = {
+        k: v
+        for k, v in (("coordinator", coordinator), ("redis_url", redis_url), ("cluster", cluster))
+        if v
+    }
+    return CommonSettings(**overrides)
+
+
+def store_from(redis_url: str | None, cluster: str | None) -> Store:
+    """The store the options (or ASTEROID_* variables) name, checked to answer."""
+    s = _settings(None, redis_url, cluster)
+    store = Store(s.redis_url, s.cluster)
+    store.ping()
+    return store
+
+
+def _fail(exc: Exception, code: ExitCode = ExitCode.CONFIG) -> typer.Exit:
+    console.print(f"[red]error:[/red] {exc}")
+    return typer.Exit(int(code))
+
+
+def view_exit_code(view: JobView) -> ExitCode:
+    """The exit code a followed job's end state maps to."""
+    if view.state == "finished":
+        return ExitCode.OK
+    if view.state == "cancelled":
+        return ExitCode.INTERRUPTED
+    return ExitCode.JOB_FAILED
+
+
+def train(
+    job_file: Annotated[Path, typer.Argument(help="Job spec (YAML).", metavar="JOB.yaml")],
+    follow_: Annotated[
+        bool, typer.Option("--follow/--no-follow", help="Show progress until the job ends.")
+    ] = True,
+    replace: Annotated[
+        bool, typer.Option(help="Start afresh if an ended job has the same job_id.")
+    ] = False,
+    coordinator: CoordinatorOpt = None,
+    redis_url: RedisOpt = None,
+    cluster: ClusterOpt = None,
+) -> None:
+    """Submit a job to a running coordinator and follow its progress."""
+    s = _settings(coordinator, redis_url, cluster)
+    try:
+        job = load_job(job_file)
+        check_job(job)
+        reply = ask_coordinator(s.coordinator, SubmitJob(job=job, replace=replace))
+    except AsteroidError as exc:
+        raise _fail(exc) from exc
+    if not reply.ok:
+        raise _fail(ConfigError(reply.error))
+    console.print(f"job [cyan]{job.job_id}[/cyan] submitted to {s.coordinator}")
+    if not follow_:
+        return
+    store = store_from(redis_url, cluster)
+    try:
+        view = follow(store, job.job_id, console)
+    except KeyboardInterrupt:
+        console.print(f"stopped following; the job goes on (asteroid cancel {job.job_id})")
+        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+    finally:
+        store.close()
+    console.print(f"job {job.job_id} {view.state}" + (f": {view.error}" if view.error else ""))
+    raise typer.Exit(int(view_exit_code(view)))
+
+
+def cancel(
+    job_id: Annotated[str, typer.Argument(help="The job to stop.")],
+    coordinator: CoordinatorOpt = None,
+) -> None:
+    """Cancel a queued or running job (it stops at the next round boundary)."""
+    s = _settings(coordinator, None, None)
+    try:
+        reply = ask_coordinator(s.coordinator, CancelJob(job_id=job_id))
+    except AsteroidError as exc:
+        raise _fail(exc) from exc
+    if not reply.ok:
+        raise _fail(ConfigError(reply.error))
+    console.print(f"job {job_id}: cancel requested")
+
+
+def _age(seen: float | None) -> str:
+    if seen is None:
+        return "-"
+    return f"{max(0.0, time.time() - seen):.1f} s"
+
+
+def devices_table(store: Store) -> Table:
+    """Every worker that ever joined this cluster, freshest first."""
+    table = Table(title="devices")
+    for col in ("device", "heartbeat", "state", "stage", "round", "memory", "threads", "kind"):
+        table.add_column(col)
+    rows = []
+    for key in store.keys("device", ""):
+        name = key.decode().rsplit(":", 1)[-1]
+        rows.append((name, store.get_fields("device", name)))
+    for name, d in sorted(rows, key=lambda r: -float(r[1].get("seen", 0))):
+        budget = int(d.get("memory_budget", 0))
+        table.add_row(
+            name,
+            _age(d.get("seen")),
+            str(d.get("state", "?")),
+            str(d.get("stage", "-")),
+            str(d.get("round", "-")),
+            f"{budget / (1 << 30):.2f} GiB" if budget else "-",
+            str(d.get("threads", "-")),
+            str(d.get("fingerprint", "")),
+        )
+    return table
+
+
+def jobs_table(store: Store, only: str | None = None) -> Table:
+    """Jobs, newest first: state, progress, loss, held-out accuracy, samples/s."""
+    table = Table(title="jobs")
+    for col in ("job", "state", "round", "loss", "held-out acc", "samples/s", "note"):
+        table.add_column(col)
+    ids = [i.decode() for i in cast(list[bytes], store.r.zrevrange(store.key("jobs"), 0, 49))]
+    for jid in ids if only is None else [only]:
+        j = store.get_fields("job", jid)
+        if not j:
+            table.add_row(jid, "unknown", "-", "-", "-", "-", "")
+            continue
+        table.add_row(
+            jid,
+            str(j.get("state")),
+            f"{j.get('round', 0)}/{j.get('total_rounds', '?')}",
+            f"{j['loss']:.4f}" if "loss" in j else "-",
+            f"{j['eval_accuracy']:.1%}" if "eval_accuracy" in j else "-",
+            f"{j['samples_per_s']:.0f}" if "samples_per_s" in j else "-",
+            str(j.get("error", j.get("reason", "")))[:60],
+        )
+    return table
+
+
+def status(
+    job: Annotated[str | None, typer.Option(help="Show only this job.")] = None,
+    redis_url: RedisOpt = None,
+    cluster: ClusterOpt = None,
+) -> None:
+    """Devices (heartbeat age, stage, memory) and jobs (state, round, samples/s)."""
+    try:
+        store = store_from(redis_url, cluster)
+    except AsteroidError as exc:
+        raise _fail(exc, ExitCode.FAILED) from exc
+    try:
+        console.print(devices_table(store))
+        console.print(jobs_table(store, job))
+    finally:
+        store.close()
+
+
+def export(
+    job_id: Annotated[str, typer.Argument(help="The job whose weights to write.")],
+    out: Annotated[Path, typer.Option(help="Output file: .safetensors or .pt.")],
+    round_no: Annotated[
+        int | None,
+        typer.Option("--round", help="A committed checkpoint round (default: the newest)."),
+    ] = None,
+    redis_url: RedisOpt = None,
+    cluster: ClusterOpt = None,
+) -> None:
+    """Write a job's checkpointed weights to a file plain PyTorch loads into the zoo model."""
+    try:
+        store = store_from(redis_url, cluster)
+        try:
+            info = export_weights(store, job_id, out, round_no)
+        finally:
+            store.close()
+    except AsteroidError as exc:
+        raise _fail(exc) from exc
+    console.print(f"wrote {info.tensors} tensors of job {job_id} round {info.round} to {out}")

@@ -1,0 +1,155 @@
+"""`asteroid up` and `asteroid demo`: a whole cluster on this machine, in the foreground.
+
+`up` runs Redis, the four services and N workers until Ctrl-C (optionally
+training one job); `demo` does the same for the example job and then
+reports: the plan, where each stage's time went, measured throughput next
+to the simulator's, the timeline picture and the exported weights. Either
+way every child process is stopped on the way out.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from common.errors import AsteroidError, ConfigError
+from common.exit_codes import ExitCode
+from common.export import export_weights
+from common.job import JobSpec, load_job
+from common.messages import SubmitJob
+from common.store import Store
+from services.cli.client import ask_coordinator
+from services.cli.follow import JobView, follow
+from services.cli.jobs import view_exit_code
+from services.cli.report import job_report, stage_table, summary_table
+from services.coordinator.checks import check_job
+from services.launcher import LocalStack
+
+__all__ = ["DEMO_JOB", "demo", "up"]
+
+console = Console()
+DEMO_JOB = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "job-demo.yaml"
+
+
+def _interrupt(signum: int, _: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _run_job(stack: LocalStack, job: JobSpec) -> JobView:
+    """Submit `job` to the stack's coordinator and follow it to its end."""
+    reply = ask_coordinator(stack.coordinator, SubmitJob(job=job), timeout_s=60)
+    if not reply.ok:
+        raise ConfigError(reply.error)
+    assert stack.redis_url is not None
+    store = Store(stack.redis_url, stack.cluster)
+    try:
+        return follow(store, job.job_id, console)
+    finally:
+        store.close()
+
+
+def _load(job_file: Path, workers: int) -> JobSpec:
+    job = load_job(job_file)
+    check_job(job)
+    if job.min_workers > workers:
+        raise ConfigError(f"min_workers: the job wants {job.min_workers}, --workers is {workers}")
+    return job
+
+
+Workers = Annotated[int, typer.Option(min=1, max=16, help="Worker processes to start.")]
+Threads = Annotated[int, typer.Option(min=1, help="Torch threads per worker.")]
+Logs = Annotated[Path, typer.Option(help="Folder for each service's log file.")]
+RedisUrl = Annotated[
+    str | None, typer.Option(help="Use this Redis instead of starting an embedded one.")
+]
+
+
+def up(
+    workers: Workers = 4,
+    threads: Threads = 1,
+    job: Annotated[Path | None, typer.Option(help="Also train this job (YAML).")] = None,
+    logs: Logs = Path("asteroid-logs"),
+    redis_url: RedisUrl = None,
+) -> None:
+    """Run a whole local cluster in the foreground until Ctrl-C (or until --job ends)."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        spec = _load(job, workers) if job else None
+        with LocalStack(workers, logs, redis_url=redis_url, threads=threads) as stack:
+            console.print(
+                f"cluster up: coordinator {stack.coordinator}, Redis {stack.redis_url}, "
+                f"{workers} workers; logs in {logs}/\n"
+                f"submit with: ASTEROID_COORDINATOR={stack.coordinator} "
+                f"ASTEROID_REDIS_URL={stack.redis_url} ASTEROID_CLUSTER={stack.cluster} "
+                "asteroid train JOB.yaml"
+            )
+            if spec is not None:
+                view = _run_job(stack, spec)
+                console.print(f"job {spec.job_id} {view.state} {view.error}")
+                raise typer.Exit(int(view_exit_code(view)))
+            while True:
+                stack.check()
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("stopped; every process of the cluster is gone")
+        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+    except AsteroidError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(int(ExitCode.CONFIG)) from exc
+
+
+def demo(
+    workers: Workers = 4,
+    threads: Threads = 1,
+    job: Annotated[Path, typer.Option(help="Job spec (YAML).")] = DEMO_JOB,
+    out: Annotated[Path, typer.Option(help="Folder for the timeline, weights and logs.")] = Path(
+        "demo-output"
+    ),
+    redis_url: RedisUrl = None,
+) -> None:
+    """The quick start: a local cluster trains the example job, reports, and stops."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    t0 = time.monotonic()
+    try:
+        spec = _load(job, workers)
+        with LocalStack(workers, out / "logs", redis_url=redis_url, threads=threads) as stack:
+            console.print(
+                f"[bold]Asteroid-Edge demo[/bold]: Redis, coordinator, planner, profiler and "
+                f"{workers} workers as separate processes (logs in {out}/logs)"
+            )
+            view = _run_job(stack, spec)
+            if view.state != "finished":
+                console.print(f"[red]job {view.state}[/red]: {view.error}")
+                raise typer.Exit(int(view_exit_code(view)))
+            assert stack.redis_url is not None
+            _report(Store(stack.redis_url, stack.cluster), spec, out)
+    except KeyboardInterrupt:
+        console.print("interrupted; every process of the demo is stopped")
+        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+    except AsteroidError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(int(ExitCode.CONFIG)) from exc
+    console.print(f"done in {time.monotonic() - t0:.0f} s; everything stopped")
+
+
+def _report(store: Store, job: JobSpec, out: Path) -> None:
+    """Print the plan and the measured-versus-simulated summary; write timeline and weights."""
+    from services.planner.timeline import draw_timeline
+
+    try:
+        rep = job_report(store, job.job_id)
+        timeline = None
+        if rep.sim is not None:
+            timeline = out / "timeline.png"
+            draw_timeline(rep.sim, rep.plan, timeline, title=f"{rep.plan.planner}: simulated round")
+        console.print(stage_table(rep))
+        console.print(summary_table(rep, timeline))
+        info = export_weights(store, job.job_id, out / "weights.safetensors")
+        console.print(f"final weights (round {info.round}) written to {info.path}")
+    finally:
+        store.close()

@@ -1,0 +1,33 @@
+"""What a job spec needs beyond its own fields, checked before anything starts.
+
+The model must build, the data must be there, the planner must exist and
+the batch geometry must be complete; each error names the field at fault.
+The CLI runs the same checks before submitting, the coordinator again on
+submission (its view of the data folder is the one that counts on one
+machine; on several, stage 0's devices read it).
+"""
+
+from __future__ import annotations
+
+from common.errors import ConfigError
+from common.job import JobSpec
+from common.job_data import train_size
+from common.zoo import build_model
+from services.planner.base import PLANNERS
+
+__all__ = ["check_job"]
+
+
+def check_job(job: JobSpec) -> int:
+    """The number of rounds `job` runs; ConfigError names the first field at fault."""
+    try:
+        build_model(job.model, job.seed)
+    except ConfigError as exc:
+        raise ConfigError(f"model: {exc}") from exc
+    if job.planner not in PLANNERS:
+        raise ConfigError(f"planner: {job.planner!r} is not one of {sorted(PLANNERS)}")
+    size = train_size(job)
+    try:
+        return job.total_rounds(size)
+    except ConfigError as exc:
+        raise ConfigError(f"epochs: {exc}") from exc

@@ -1,0 +1,293 @@
+"""One job from submission to its end: profiling, planning, rounds, evaluation, checkpoints.
+
+`JobRun` records every lifecycle transition in Redis (`job:<id>` hash and
+the `events` stream) and every committed round in the `metrics` stream.
+Rounds are committed only when every device reported; a cancel takes effect
+at the next round boundary, so no half-applied round survives it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from common.checkpoint import commit_checkpoint, latest_round, save_stage
+from common.errors import AsteroidError, ConfigError
+from common.ids import DeviceId
+from common.job import JobSpec
+from common.job_data import eval_size
+from common.logging import bind_global, get_logger
+from common.messages import (
+    Assign,
+    Assigned,
+    CheckpointSaved,
+    EvalDone,
+    PlanRequest,
+    RoundDone,
+    RunEval,
+    RunRound,
+    SaveCheckpoint,
+)
+from common.plan import Plan
+from common.zoo import build_model
+from services.coordinator.lifecycle import JobState, advance
+from services.coordinator.profiling import cluster_for, profile_budgets, profile_workers
+
+if TYPE_CHECKING:
+    from services.coordinator.service import Coordinator
+
+__all__ = ["JobCancelled", "JobFailed", "JobRun", "JobSummary"]
+
+log = get_logger(__name__)
+
+
+class JobFailed(AsteroidError):
+    """The job cannot continue; the message says which worker and why."""
+
+
+class JobCancelled(AsteroidError):
+    """Someone cancelled the job; its last committed checkpoint stays."""
+
+
+@dataclass
+class JobSummary:
+    """What a finished job reports."""
+
+    job_id: str
+    rounds: int
+    losses: list[float] = field(default_factory=list)
+    accuracies: list[float] = field(default_factory=list)
+    round_s: list[float] = field(default_factory=list)
+    max_alive: dict[str, int] = field(default_factory=dict)
+    checkpoints: list[int] = field(default_factory=list)
+    evals: list[tuple[int, float, float]] = field(default_factory=list)
+    """(round, held-out loss, held-out accuracy) after each evaluation."""
+
+
+class JobRun:
+    """Drives one job through its lifecycle on a coordinator's workers."""
+
+    def __init__(self, coord: Coordinator, job: JobSpec, total_rounds: int | None = None) -> None:
+        self.coord, self.job, self.jid = coord, job, job.job_id
+        self.total = total_rounds or job.total_rounds()
+        self.state: JobState = "submitted"
+        self.store = coord.store
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def record(self, to: JobState, **extra: Any) -> None:
+        """Move to state `to` and write it to Redis (hash and events stream)."""
+        self.state = advance(self.state, to)
+        self.store.set_fields({"state": to, "updated": time.time(), **extra}, "job", self.jid)
+        self.store.append("events", self.jid, {"event": to, **extra})
+        log.info("job state", state=to, **extra)
+
+    def run(self, plan: Plan | None = None, resume: bool = False) -> JobSummary:
+        """Run the job to its end; with `plan`, skip profiling and planning.
+
+        Raises:
+            JobFailed, JobCancelled, ConfigError: after recording the end state.
+
+        """
+        bind_global(job=self.jid)
+        self.coord.running = self.jid
+        try:
+            if plan is None:
+                plan = self._plan()
+            return self._train(plan, resume)
+        except JobCancelled as exc:
+            self.record("cancelled", reason=str(exc))
+            raise
+        except AsteroidError as exc:
+            self.record("failed", error=str(exc))
+            raise
+        except KeyboardInterrupt:
+            self.record("cancelled", reason="the coordinator was stopped")
+            raise
+        finally:
+            self.coord.running = None
+
+    def _plan(self) -> Plan:
+        """Profile the workers' devices (cached profiles reused), then ask the planner."""
+        job, coord = self.job, self.coord
+        if job.global_batch is None:
+            raise ConfigError("global_batch: required when the planner makes the plan")
+        settings = coord.settings
+        coord.wait_for_count(job.min_workers, settings.join_timeout_s)
+        members = coord.alive()
+        self.record("profiling", workers=sorted(members))
+        keys = profile_workers(coord, job, members)
+        base = coord.cluster_base()
+        budgets = profile_budgets(coord, keys)
+        cluster = cluster_for(members, keys, budgets, base, settings.link_bandwidth)
+        self.store.put_json(cluster.model_dump(mode="json"), "cluster", self.jid)
+        self.record("planning", planner=job.planner)
+        req = PlanRequest(
+            job_id=self.jid,
+            planner=job.planner,
+            cluster=cluster,
+            profiles=sorted(set(keys.values())),
+            global_batch=job.global_batch,
+            microbatches=job.microbatches or 1,
+        )
+        return coord.request_plan(req, settings.plan_timeout_s)
+
+    # --- training --------------------------------------------------------------
+
+    def _train(self, plan: Plan, resume: bool) -> JobSummary:
+        job, jid, coord = self.job, self.jid, self.coord
+        model = build_model(job.model, job.seed).full()
+        plan.validate_for(len(model))
+        self.store.put_json(plan.model_dump(mode="json"), "plan", jid)
+        coord.wait_for_devices(plan.devices, coord.settings.join_timeout_s)
+        start = latest_round(self.store, jid) if resume else None
+        if start is None:
+            start = 0
+            save_stage(self.store, jid, 0, model, None, 0)
+            commit_checkpoint(self.store, jid, 0, len(model))
+        elif start >= self.total:
+            raise JobFailed(f"job {jid} already has a checkpoint of round {start} >= {self.total}")
+        epoch = self._assign_all(plan, start)
+        self.record("running", epoch=epoch, round=start, total_rounds=self.total)
+        summary = JobSummary(job_id=jid, rounds=self.total)
+        if job.eval_every and start == 0:
+            self._evaluate(plan, epoch, 0, summary)  # the baseline the gain is measured from
+        for r in range(start, self.total):
+            bind_global(round=r)
+            coord.check_cancelled(jid)
+            self._round(plan, epoch, r, summary, model)
+            done = r + 1
+            if done == self.total or (job.eval_every and done % job.eval_every == 0):
+                self._evaluate(plan, epoch, done, summary)
+            if done == self.total or (job.checkpoint_every and done % job.checkpoint_every == 0):
+                self._checkpoint(plan, epoch, done, len(model))
+                summary.checkpoints.append(done)
+        self.record("finished", round=self.total)
+        return summary
+
+    def _assign_all(self, plan: Plan, start: int) -> int:
+        """Give every device its stage under a new plan epoch; returns the epoch."""
+        coord, s = self.coord, self.coord.settings
+        epoch = int(self.store.r.incr(self.store.key("epoch")))
+        peers = {str(d): coord.members[d].info.data_addr for d in plan.devices}
+        for d in plan.devices:
+            coord.send(
+                d,
+                Assign(
+                    epoch=epoch,
+                    job=self.job,
+                    plan=plan,
+                    stage=plan.stage_of(d),
+                    peers=peers,
+                    from_round=start,
+                    store_url=s.redis_url,
+                    cluster=s.cluster,
+                    total_rounds=self.total,
+                ),
+            )
+        coord.gather(Assigned, plan.devices, epoch, start, s.round_timeout_s)
+        return epoch
+
+    def _round(
+        self, plan: Plan, epoch: int, r: int, summary: JobSummary, model: nn.Sequential
+    ) -> None:
+        """Run round `r` on every device and commit it."""
+        coord = self.coord
+        t0 = time.perf_counter()
+        for d in plan.devices:
+            coord.send(d, RunRound(epoch=epoch, round=r))
+        done = coord.gather(RoundDone, plan.devices, epoch, r, coord.settings.round_timeout_s)
+        elapsed = time.perf_counter() - t0
+        last = [a.device for a in plan.stages[-1].devices]
+        loss = sum(done[d].loss_sum for d in last)
+        acc = sum(done[d].correct for d in last) / plan.global_batch
+        self._commit_round(r, epoch, loss, acc, elapsed, plan, done)
+        summary.losses.append(loss)
+        summary.accuracies.append(acc)
+        summary.round_s.append(elapsed)
+        for d, msg in done.items():
+            summary.max_alive[d] = max(summary.max_alive.get(d, 0), msg.max_alive)
+
+    def _commit_round(
+        self,
+        r: int,
+        epoch: int,
+        loss: float,
+        acc: float,
+        elapsed: float,
+        plan: Plan,
+        done: dict[DeviceId, RoundDone],
+    ) -> None:
+        """Record round `r` as committed: weights now belong to round r+1."""
+        rate = plan.global_batch / elapsed
+        self.store.set_fields(
+            {
+                "round": r + 1,
+                "epoch": epoch,
+                "loss": loss,
+                "samples_per_s": rate,
+                "updated": time.time(),
+            },
+            "job",
+            self.jid,
+        )
+        self.store.append(
+            "metrics",
+            self.jid,
+            {
+                "round": r,
+                "loss": loss,
+                "accuracy": acc,
+                "round_s": elapsed,
+                "samples_per_s": rate,
+                "devices": {
+                    d: {"stage": m.stage, "max_alive": m.max_alive, **m.timings.model_dump()}
+                    for d, m in done.items()
+                },
+            },
+        )
+        log.info(
+            "round committed",
+            loss=round(loss, 5),
+            accuracy=round(acc, 3),
+            round_s=round(elapsed, 3),
+        )
+
+    def _evaluate(self, plan: Plan, epoch: int, round_no: int, summary: JobSummary) -> None:
+        """Held-out loss and accuracy of the weights of `round_no`, through the pipeline."""
+        coord = self.coord
+        batches = math.ceil(eval_size(self.job) / plan.global_batch)
+        for d in plan.devices:
+            coord.send(d, RunEval(epoch=epoch, round=round_no, batches=batches))
+        done = coord.gather(EvalDone, plan.devices, epoch, round_no, coord.settings.round_timeout_s)
+        last = [a.device for a in plan.stages[-1].devices]
+        samples = sum(done[d].samples for d in last)
+        loss = sum(done[d].loss_sum for d in last) / max(1, samples)
+        acc = sum(done[d].correct for d in last) / max(1, samples)
+        summary.evals.append((round_no, loss, acc))
+        self.store.set_fields({"eval_loss": loss, "eval_accuracy": acc}, "job", self.jid)
+        self.store.append(
+            "metrics",
+            self.jid,
+            {
+                "round": round_no - 1,
+                "eval_loss": loss,
+                "eval_accuracy": acc,
+                "eval_samples": samples,
+            },
+        )
+        log.info("evaluated", round=round_no, eval_loss=round(loss, 4), eval_accuracy=round(acc, 3))
+
+    def _checkpoint(self, plan: Plan, epoch: int, round_no: int, layers: int) -> None:
+        """Have each stage's leader write its layers, then commit checkpoint `round_no`."""
+        coord = self.coord
+        leaders = [st.devices[0].device for st in plan.stages]
+        for d in leaders:
+            coord.send(d, SaveCheckpoint(epoch=epoch, round=round_no))
+        coord.gather(CheckpointSaved, leaders, epoch, round_no, coord.settings.round_timeout_s)
+        commit_checkpoint(self.store, self.jid, round_no, layers)
+        self.store.append("events", self.jid, {"event": "checkpoint", "round": round_no})

@@ -1,0 +1,139 @@
+"""A whole cluster on this machine: Redis, the four services and N workers, as processes.
+
+Used by `asteroid up` and `asteroid demo`. Every service is started exactly
+as a person would start it on a device (`python -m services.<name>.main`
+with flags and `ASTEROID_*` variables), logs to its own file, and is stopped
+on exit, on error and on Ctrl-C; children also die with this process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import TracebackType
+
+from common.embedded_redis import EmbeddedRedis
+from common.errors import AsteroidError
+from common.procs import spawn, stop_all
+
+__all__ = ["LocalStack", "ServiceDied"]
+
+
+class ServiceDied(AsteroidError):
+    """A service of the local stack exited on its own; the message has its log's tail."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalStack:
+    """Redis (embedded unless `redis_url`), coordinator, planner, profiler, `workers` workers."""
+
+    def __init__(
+        self,
+        workers: int,
+        log_dir: Path,
+        redis_url: str | None = None,
+        cluster: str = "local",
+        threads: int = 1,
+        memory_budget: int = 0,
+        heartbeat_s: float = 0.5,
+    ) -> None:
+        self.workers, self.log_dir = workers, log_dir
+        self.cluster, self.threads = cluster, threads
+        self.memory_budget, self.heartbeat_s = memory_budget, heartbeat_s
+        self.redis_url = redis_url
+        self.coordinator = f"tcp://127.0.0.1:{_free_port()}"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._redis: EmbeddedRedis | None = None
+
+    @property
+    def devices(self) -> list[str]:
+        """Names of the workers."""
+        return [f"dev-{i}" for i in range(self.workers)]
+
+    def env(self) -> dict[str, str]:
+        """The environment every service of the stack gets."""
+        assert self.redis_url is not None  # set by start()
+        return {
+            **os.environ,
+            "ASTEROID_REDIS_URL": self.redis_url,
+            "ASTEROID_CLUSTER": self.cluster,
+            "ASTEROID_COORDINATOR": self.coordinator,
+            "ASTEROID_HEARTBEAT_S": str(self.heartbeat_s),
+            "ASTEROID_LOG_FORMAT": "json",
+            "OMP_NUM_THREADS": str(self.threads),
+        }
+
+    def start(self) -> LocalStack:
+        """Start everything (Redis first, workers last); returns self."""
+        try:
+            if self.redis_url is None:
+                self._redis = EmbeddedRedis().__enter__()
+                self.redis_url = self._redis.url
+            py = [sys.executable, "-m"]
+            self._spawn(
+                "coordinator", [*py, "services.coordinator.main", "--bind", self.coordinator]
+            )
+            self._spawn("planner", [*py, "services.planner.service"])
+            self._spawn(
+                "profiler",
+                [*py, "services.profiler.main", "--serve", "--threads", str(self.threads)],
+            )
+            for name in self.devices:
+                cmd = [*py, "services.worker.main", "--device", name]
+                cmd += ["--threads", str(self.threads)]
+                if self.memory_budget:
+                    cmd += ["--memory-budget", str(self.memory_budget)]
+                self._spawn(name, cmd)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        self.procs[name] = spawn(cmd, self.env(), self.log_dir / f"{name}.log")
+
+    def check(self) -> None:
+        """Raise ServiceDied if any service exited."""
+        for name, p in self.procs.items():
+            code = p.poll()
+            if code is not None:
+                raise ServiceDied(f"{name} exited with code {code}:\n{self.tail(name)}")
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        """The last lines of a service's log."""
+        path = self.log_dir / f"{name}.log"
+        if not path.exists():
+            return "(no log)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def pids(self) -> list[int]:
+        """Process ids of every child, Redis included."""
+        out = [p.pid for p in self.procs.values()]
+        if self._redis is not None and self._redis.proc is not None:
+            out.append(self._redis.proc.pid)
+        return out
+
+    def stop(self, timeout_s: float = 8.0) -> None:
+        """Stop workers and services, then Redis (idempotent)."""
+        stop_all(list(self.procs.values()), timeout_s)
+        if self._redis is not None:
+            self._redis.stop()
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,57 @@
+import pytest
+
+from common.errors import ConfigError
+from common.ids import DeviceId
+from common.messages import Heartbeat
+from common.profile import ClusterSpec, DeviceSpec
+from services.coordinator.membership import Member
+from services.coordinator.profiling import batch_sizes, cluster_for
+
+
+@pytest.mark.parametrize(
+    ("micro", "sizes"),
+    [(1, [1]), (2, [1, 2]), (16, [1, 2, 4, 8, 16]), (12, [1, 2, 4, 8, 12]), (3, [1, 2, 3])],
+)
+def test_batch_sizes_cover_every_share_of_a_micro_batch(micro, sizes):
+    assert batch_sizes(micro) == sizes
+
+
+def _members(**budgets):
+    return {
+        DeviceId(d): Member(
+            DeviceId(d),
+            0.0,
+            Heartbeat(device=DeviceId(d), data_addr="tcp://x:1", memory_budget=b, fingerprint="fp"),
+        )
+        for d, b in budgets.items()
+    }
+
+
+def test_cluster_from_workers_uses_reported_then_profiled_memory():
+    members = _members(a=2 << 30, b=0)
+    keys = {DeviceId("a"): "m:fp", DeviceId("b"): "m:fp"}
+    cluster = cluster_for(members, keys, {"m:fp": 5 << 30}, None, 1e6)
+    assert [(d.name, d.memory_bytes, d.profile) for d in cluster.devices] == [
+        ("a", 2 << 30, "m:fp"),
+        ("b", 5 << 30, "m:fp"),
+    ]
+    assert cluster.bandwidth == 1e6 and cluster.links == {}
+
+
+def test_a_cluster_file_gives_links_slowdowns_and_missing_budgets():
+    base = ClusterSpec(
+        devices=[DeviceSpec(name="b", memory_bytes=1 << 30, slowdown=2.0)],
+        bandwidth=3e6,
+        links={"a|b": 1e6},
+    )
+    members = _members(a=2 << 30, b=0)
+    keys = {DeviceId("a"): "k", DeviceId("b"): "k"}
+    cluster = cluster_for(members, keys, {"k": 9 << 30}, base, 1e9)
+    b = cluster.device("b")
+    assert (b.memory_bytes, b.slowdown) == (1 << 30, 2.0)
+    assert cluster.bw("a", "b") == 1e6 and cluster.bandwidth == 3e6
+
+
+def test_a_worker_without_any_memory_figure_is_named():
+    with pytest.raises(ConfigError, match="worker b reported no memory budget"):
+        cluster_for(_members(a=1, b=0), {DeviceId("a"): "k", DeviceId("b"): "k"}, {"k": 0}, None, 1)

@@ -17,8 +17,8 @@ install: $(BIN)/python  ## virtual environment with torch (CPU build) and the pr
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 
-demo: install  ## local quick start: embedded Redis, coordinator, 5 workers, a short job
-	$(BIN)/python -m services.quickstart
+demo: install  ## quick start: embedded Redis, the four services and 4 workers train a small CNN
+	$(BIN)/asteroid demo
 
 test:  ## the default suite (unit + integration; needs a Redis, see README)
 	$(PYTEST)

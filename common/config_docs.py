@@ -1,16 +1,22 @@
-"""The configuration reference table, generated from the settings models.
+"""The configuration and job-spec reference tables, generated from their models.
 
-The README embeds this table between markers; a test keeps the two in sync so
+The README embeds these tables between markers; a test keeps them in sync so
 documentation cannot drift from the code.
 """
 
 from __future__ import annotations
 
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel
 from pydantic_settings import BaseSettings
 
+from common.job import JobSpec
 from common.settings import CommonSettings, CoordinatorSettings, WorkerSettings
 
-__all__ = ["settings_table"]
+__all__ = ["SECTIONS", "job_table", "render", "settings_table"]
 
 
 def _rows(cls: type[BaseSettings], skip: set[str], who: str) -> list[str]:
@@ -37,3 +43,64 @@ def settings_table() -> str:
         *_rows(CoordinatorSettings, common, "coordinator"),
     ]
     return "\n".join(lines)
+
+
+def _models(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation names (through unions and Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _models(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+    return []
+
+
+def _default(field: Any) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel):
+        return ""
+    return "`null`" if value is None else f"`{value}`"
+
+
+def _job_rows(model: type[BaseModel], prefix: str) -> list[str]:
+    out = []
+    for name, field in model.model_fields.items():
+        path, meaning = f"{prefix}{name}", field.description or ""
+        kinds = typing.get_args(field.annotation) if name == "kind" else ()
+        if len(kinds) == 1:  # the tag of one member of a union: the rows below are its own
+            path, meaning = f"{prefix}kind: {kinds[0]}", "the keys below belong to this kind"
+        out.append(f"| `{path}` | {_default(field)} | {meaning} |")
+        for sub in _models(field.annotation):
+            out += _job_rows(sub, f"{path}.")
+    return out
+
+
+def job_table() -> str:
+    """Markdown table of every job-spec key: dotted path, default, meaning."""
+    return "\n".join(["| key | default | meaning |", "|---|---|---|", *_job_rows(JobSpec, "")])
+
+
+SECTIONS = {"settings": settings_table, "job": job_table}
+"""README sections generated here, between `<!-- NAME:begin -->` and `<!-- NAME:end -->`."""
+
+
+def render(text: str) -> str:
+    """`text` with every generated section replaced by its current table."""
+    for name, make in SECTIONS.items():
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{begin}\n{make()}\n{end}{tail}"
+    return text
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    readme = Path(sys.argv[1] if len(sys.argv) > 1 else "README.md")
+    readme.write_text(render(readme.read_text()))

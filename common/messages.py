@@ -67,6 +67,8 @@ class Heartbeat(_Msg):
     memory_budget: int = 0
     fingerprint: str = Field("", description="Device fingerprint its profiles are keyed by.")
     threads: int = 1
+    host: str = Field("", description="Machine name; workers sharing one share its cores.")
+    cores: int = Field(0, ge=0, description="Cores this worker's process may use.")
     pid: int = 0
     epoch: int = 0
     stage: int = -1

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from common.errors import ConfigError, PlanError
@@ -39,9 +39,14 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str
-    num_classes: int = 10
-    options: dict[str, OptionValue] = {}
+    name: str = Field(
+        description="Zoo model (mlp, small_cnn, mobilenet_v2, resnet18, "
+        "resnet50, efficientnet_b1, bert_small) or package.module:factory."
+    )
+    num_classes: int = Field(10, description="Width of the logits the last layer produces.")
+    options: dict[str, OptionValue] = Field(
+        default_factory=dict, description="Model-specific knobs, e.g. width_mult, seq_len."
+    )
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 
 from common.store import Store
@@ -39,14 +38,13 @@ class JobView:
 
 
 def _describe(job: dict[str, Any], last: dict[str, Any] | None, ev: dict[str, Any] | None) -> str:
-    state = job.get("state", "?")
-    parts = [f"[bold]{state}[/bold]"]
+    parts = [str(job.get("state", "?"))]
     if last is not None:
-        parts.append(f"loss {last['loss']:.4f}")
+        parts.append(f"loss {last['loss']:.3f}")
         parts.append(f"{last['samples_per_s']:.0f} samples/s")
     if ev is not None:
-        parts.append(f"held-out acc {ev['eval_accuracy']:.1%}")
-    return "  ".join(parts)
+        parts.append(f"held-out acc {ev['eval_accuracy']:.0%}")
+    return " | ".join(parts)
 
 
 def follow(
@@ -61,11 +59,9 @@ def follow(
     after_m, after_e = "0", "0"
     columns = (
         TextColumn("[cyan]{task.fields[job]}"),
-        BarColumn(),
+        BarColumn(bar_width=20),
         MofNCompleteColumn(),
-        TextColumn("rounds"),
         TimeElapsedColumn(),
-        TimeRemainingColumn(),
         TextColumn("{task.description}"),
     )
     deadline = time.monotonic() + timeout_s

@@ -26,6 +26,7 @@ from common.store import Store
 from services.cli.client import ask_coordinator
 from services.cli.follow import JobView, follow
 from services.cli.jobs import view_exit_code
+from services.cli.plan import plan_table
 from services.cli.report import job_report, stage_table, summary_table
 from services.coordinator.checks import check_job
 from services.launcher import LocalStack
@@ -67,6 +68,7 @@ Logs = Annotated[Path, typer.Option(help="Folder for each service's log file.")]
 RedisUrl = Annotated[
     str | None, typer.Option(help="Use this Redis instead of starting an embedded one.")
 ]
+Cluster = Annotated[str, typer.Option(help="Key prefix of this cluster in Redis.")]
 
 
 def up(
@@ -75,12 +77,13 @@ def up(
     job: Annotated[Path | None, typer.Option(help="Also train this job (YAML).")] = None,
     logs: Logs = Path("asteroid-logs"),
     redis_url: RedisUrl = None,
+    cluster: Cluster = "local",
 ) -> None:
     """Run a whole local cluster in the foreground until Ctrl-C (or until --job ends)."""
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         spec = _load(job, workers) if job else None
-        with LocalStack(workers, logs, redis_url=redis_url, threads=threads) as stack:
+        with LocalStack(workers, logs, redis_url, cluster, threads) as stack:
             console.print(
                 f"cluster up: coordinator {stack.coordinator}, Redis {stack.redis_url}, "
                 f"{workers} workers; logs in {logs}/\n"
@@ -111,13 +114,14 @@ def demo(
         "demo-output"
     ),
     redis_url: RedisUrl = None,
+    cluster: Cluster = "demo",
 ) -> None:
     """The quick start: a local cluster trains the example job, reports, and stops."""
     signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
     try:
         spec = _load(job, workers)
-        with LocalStack(workers, out / "logs", redis_url=redis_url, threads=threads) as stack:
+        with LocalStack(workers, out / "logs", redis_url, cluster, threads) as stack:
             console.print(
                 f"[bold]Asteroid-Edge demo[/bold]: Redis, coordinator, planner, profiler and "
                 f"{workers} workers as separate processes (logs in {out}/logs)"
@@ -147,6 +151,8 @@ def _report(store: Store, job: JobSpec, out: Path) -> None:
         if rep.sim is not None:
             timeline = out / "timeline.png"
             draw_timeline(rep.sim, rep.plan, timeline, title=f"{rep.plan.planner}: simulated round")
+        if rep.sim is not None and rep.cost is not None:
+            console.print(plan_table(rep.plan, rep.sim, rep.cost))
         console.print(stage_table(rep))
         console.print(summary_table(rep, timeline))
         info = export_weights(store, job.job_id, out / "weights.safetensors")

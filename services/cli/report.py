@@ -33,6 +33,7 @@ class JobReport:
 
     plan: Plan
     sim: SimResult | None
+    cost: CostModel | None
     rounds: list[dict[str, Any]]
     evals: list[dict[str, Any]]
 
@@ -52,14 +53,16 @@ def job_report(store: Store, job_id: str) -> JobReport:
     plan = Plan.model_validate(store.get_json("plan", job_id))
     metrics = store.read("metrics", job_id)
     cluster_data = store.get_json("cluster", job_id)
-    sim = None
+    sim, cost = None, None
     if cluster_data is not None:
         cluster = ClusterSpec.model_validate(cluster_data)
         profiles = load_profiles(store, sorted({d.profile for d in cluster.devices}))
-        sim = simulate(plan, CostModel(profiles, cluster))
+        cost = CostModel(profiles, cluster)
+        sim = simulate(plan, cost)
     return JobReport(
         plan=plan,
         sim=sim,
+        cost=cost,
         rounds=[m for m in metrics if "loss" in m],
         evals=[m for m in metrics if "eval_accuracy" in m],
     )

@@ -24,7 +24,13 @@ from services.profiler.layers import model_key
 if TYPE_CHECKING:
     from services.coordinator.service import Coordinator
 
-__all__ = ["batch_sizes", "cluster_for", "profile_budgets", "profile_workers"]
+__all__ = [
+    "batch_sizes",
+    "cluster_for",
+    "host_crowding",
+    "profile_budgets",
+    "profile_workers",
+]
 
 
 def batch_sizes(micro: int) -> list[int]:
@@ -124,6 +130,25 @@ def _ask_profilers(coord: Coordinator, req: ProfileRequest, device: DeviceId) ->
     )
 
 
+def host_crowding(members: dict[DeviceId, Member]) -> dict[DeviceId, float]:
+    """How much slower each worker runs than profiled because others share its machine.
+
+    Profiles are measured with one process busy; workers on one host (a local
+    cluster, several emulated devices) that together run more threads than it
+    has cores each get a proportionally smaller share of it.
+    """
+    threads: dict[str, int] = {}
+    for m in members.values():
+        if m.info.host:
+            threads[m.info.host] = threads.get(m.info.host, 0) + m.info.threads
+    out = {}
+    for d, m in members.items():
+        hb = m.info
+        busy = threads.get(hb.host, hb.threads) if hb.host else hb.threads
+        out[d] = max(1.0, busy / hb.cores) if hb.cores else 1.0
+    return out
+
+
 def cluster_for(
     members: dict[DeviceId, Member],
     keys: dict[DeviceId, str],
@@ -137,9 +162,10 @@ def cluster_for(
     cluster spec file given to the coordinator) says, else what its profile
     measured (`budgets`, by profile key: cgroup limit or free memory). Links
     come from `base` when present, else every link gets `default_bandwidth`
-    bytes/s; `base` also sets slowdowns.
+    bytes/s; `base` also sets slowdowns, multiplied by `host_crowding`.
     """
     named = {d.name: d for d in base.devices} if base else {}
+    crowding = host_crowding(members)
     devices = []
     for d in sorted(members):
         hb = members[d].info
@@ -154,7 +180,7 @@ def cluster_for(
                 name=d,
                 memory_bytes=memory,
                 profile=keys[d],
-                slowdown=known.slowdown if known else 1.0,
+                slowdown=(known.slowdown if known else 1.0) * crowding[d],
             )
         )
     if base is None:

@@ -5,7 +5,7 @@ from common.ids import DeviceId
 from common.messages import Heartbeat
 from common.profile import ClusterSpec, DeviceSpec
 from services.coordinator.membership import Member
-from services.coordinator.profiling import batch_sizes, cluster_for
+from services.coordinator.profiling import batch_sizes, cluster_for, host_crowding
 
 
 @pytest.mark.parametrize(
@@ -55,3 +55,25 @@ def test_a_cluster_file_gives_links_slowdowns_and_missing_budgets():
 def test_a_worker_without_any_memory_figure_is_named():
     with pytest.raises(ConfigError, match="worker b reported no memory budget"):
         cluster_for(_members(a=1, b=0), {DeviceId("a"): "k", DeviceId("b"): "k"}, {"k": 0}, None, 1)
+
+
+def _crowd(*workers):
+    return {
+        DeviceId(d): Member(
+            DeviceId(d),
+            0.0,
+            Heartbeat(device=DeviceId(d), data_addr="x", threads=t, host=h, cores=c),
+        )
+        for d, h, t, c in workers
+    }
+
+
+def test_workers_sharing_a_machine_are_slowed_by_its_oversubscription():
+    crowd = host_crowding(
+        _crowd(("a", "pc", 1, 2), ("b", "pc", 1, 2), ("c", "pc", 2, 2), ("d", "pi", 1, 4))
+    )
+    assert crowd == {"a": 2.0, "b": 2.0, "c": 2.0, "d": 1.0}
+
+
+def test_unknown_host_or_cores_means_no_crowding():
+    assert host_crowding(_crowd(("a", "", 4, 2), ("b", "pc", 1, 0))) == {"a": 2.0, "b": 1.0}

@@ -1,0 +1,147 @@
+"""The demo's flow, shorter, on the CI Redis: every service a real process.
+
+Submit -> profiling (profiler service) -> planning (planner service) ->
+running (workers) -> finished, with held-out evaluation, a report, exported
+weights that give the accuracy the job reported, cancel, and a job the
+coordinator refuses.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from common.job import JobSpec
+from common.job_data import open_data
+from common.messages import CancelJob, SubmitJob
+from common.store import Store
+from common.zoo import build_model
+from services.cli import app
+from services.cli.client import ask_coordinator
+from services.cli.follow import follow
+from services.cli.report import job_report, stage_table, summary_table
+from services.launcher import LocalStack
+
+pytestmark = pytest.mark.integration
+
+JOB = {
+    "job_id": "flow",
+    "model": {"name": "small_cnn"},
+    "dataset": {"kind": "synthetic", "eval_size": 128},
+    "global_batch": 32,
+    "micro_batch": 8,
+    "rounds": 12,
+    "optimizer": {"kind": "adam", "lr": 0.002, "schedule": {"kind": "cosine"}},
+    "eval_every": 6,
+    "checkpoint_every": 6,
+    "min_workers": 3,
+    "seed": 3,
+}
+
+
+def _until(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def stack(tmp_path, redis_url, cluster_name):
+    with LocalStack(3, tmp_path / "logs", redis_url, cluster_name, heartbeat_s=0.3) as s:
+        yield s
+
+
+def test_submit_profile_plan_train_evaluate_export(stack, redis_url, cluster_name, tmp_path):
+    job = JobSpec.model_validate(JOB)
+    reply = ask_coordinator(stack.coordinator, SubmitJob(job=job), timeout_s=60)
+    assert reply.ok, reply.error
+    store = Store(redis_url, cluster_name)
+    console = Console(file=io.StringIO(), width=120)
+    view = follow(store, job.job_id, console, timeout_s=240)
+    assert view.state == "finished", (view.error, stack.tail("coordinator"))
+
+    states = [e["event"] for e in store.read("events", job.job_id)]
+    for state in ("submitted", "profiling", "planning", "running", "finished"):
+        assert state in states
+    assert [e["round"] for e in view.evals] == [-1, 5, 11]  # before, after 6, after 12
+    first, last = view.evals[0]["eval_accuracy"], view.evals[-1]["eval_accuracy"]
+    assert last > first + 0.2, view.evals
+    assert len(view.rounds) == 12
+
+    # the profile the profiler service stored is reused by a second job
+    keys = [k.decode() for k in store.keys("profile", "")]
+    assert len(keys) == 1
+    rep = job_report(store, job.job_id)
+    assert rep.sim is not None and rep.measured_samples_per_s > 0
+    text = io.StringIO()
+    Console(file=text, width=120).print(stage_table(rep), summary_table(rep))
+    assert "measured / simulated" in text.getvalue()
+
+    # exported weights load into the zoo model and give the reported accuracy
+    out = tmp_path / "w.safetensors"
+    res = CliRunner().invoke(
+        app,
+        ["export", "flow", "--out", str(out), "--redis-url", redis_url, "--cluster", cluster_name],
+    )
+    assert res.exit_code == 0, res.output
+    zoo = build_model(job.model, job.seed)
+    net = zoo.full()
+    net.load_state_dict(load_file(out))
+    net.eval()
+    batches = -(-128 // 32)
+    x, y = open_data(job, zoo).eval_batch(0, batches * 32)
+    with torch.no_grad():
+        correct = int((net(x).argmax(dim=1) == y).sum())
+    assert abs(correct - last * batches * 32) <= 1, (correct, last)
+
+    res = CliRunner().invoke(app, ["status", "--redis-url", redis_url, "--cluster", cluster_name])
+    assert res.exit_code == 0, res.output
+    assert "dev-0" in res.output and "flow" in res.output and "finished" in res.output
+
+    again = JobSpec.model_validate({**JOB, "job_id": "flow-2", "rounds": 2, "eval_every": 0})
+    assert ask_coordinator(stack.coordinator, SubmitJob(job=again)).ok
+    view = follow(store, "flow-2", console, timeout_s=120)
+    assert view.state == "finished"
+    assert "profiling" in [e["event"] for e in view.events]
+    assert [k.decode() for k in store.keys("profile", "")] == keys  # reused, not measured again
+    store.close()
+
+
+def test_cancel_stops_at_a_round_boundary_and_the_coordinator_goes_on(
+    stack, redis_url, cluster_name
+):
+    store = Store(redis_url, cluster_name)
+    long = JobSpec.model_validate({**JOB, "job_id": "long", "rounds": 500, "eval_every": 0})
+    assert ask_coordinator(stack.coordinator, SubmitJob(job=long), timeout_s=60).ok
+    dup = ask_coordinator(stack.coordinator, SubmitJob(job=long))
+    assert not dup.ok and "job_id: job long is already" in dup.error
+
+    _until(lambda: store.get_fields("job", "long").get("round", 0) >= 2, 180, "round 2")
+    assert ask_coordinator(stack.coordinator, CancelJob(job_id="long")).ok
+    _until(lambda: store.get_fields("job", "long").get("state") == "cancelled", 30, "cancel")
+    committed = store.get_fields("job", "long")["round"]
+    assert 2 <= committed < 500
+    assert len([m for m in store.read("metrics", "long") if "loss" in m]) == committed
+
+    again = ask_coordinator(stack.coordinator, CancelJob(job_id="long"))
+    assert not again.ok and "not queued or running (cancelled)" in again.error
+
+    # a spec the CLI would refuse, sent straight to the coordinator: refused, nothing runs
+    bad = JobSpec.model_validate({**JOB, "job_id": "bad", "model": {"name": "no_such_net"}})
+    reply = ask_coordinator(stack.coordinator, SubmitJob(job=bad))
+    assert not reply.ok and reply.error.startswith("model:")
+    assert store.get_fields("job", "bad") == {}
+
+    short = JobSpec.model_validate({**JOB, "job_id": "after", "rounds": 2, "eval_every": 0})
+    assert ask_coordinator(stack.coordinator, SubmitJob(job=short)).ok
+    view = follow(store, "after", Console(file=io.StringIO()), timeout_s=120)
+    assert view.state == "finished"
+    stack.check()
+    store.close()

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from pydantic_settings import BaseSettings
 
 from common.job import JobSpec
-from common.settings import CommonSettings, CoordinatorSettings, WorkerSettings
+from common.settings import CommonSettings, CoordinatorSettings, ProfilerSettings, WorkerSettings
 
 __all__ = ["SECTIONS", "job_table", "render", "settings_table"]
 
@@ -41,6 +41,7 @@ def settings_table() -> str:
         *_rows(CommonSettings, set(), "all"),
         *_rows(WorkerSettings, common, "worker"),
         *_rows(CoordinatorSettings, common, "coordinator"),
+        *_rows(ProfilerSettings, common, "profiler"),
     ]
     return "\n".join(lines)
 

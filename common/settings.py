@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["CommonSettings", "CoordinatorSettings", "WorkerSettings"]
+__all__ = ["CommonSettings", "CoordinatorSettings", "ProfilerSettings", "WorkerSettings"]
 
 
 class CommonSettings(BaseSettings):
@@ -99,3 +99,33 @@ class CoordinatorSettings(CommonSettings):
     shutdown_workers: bool = Field(
         False, description="Tell the workers to exit when the --job finishes."
     )
+
+
+class ProfilerSettings(CommonSettings):
+    """What to profile and how carefully; device settings match the worker's."""
+
+    serve: bool = Field(
+        False,
+        description="Answer the coordinator's profile requests until stopped, instead of "
+        "profiling once; each request names the model, threads, memory budget, batch sizes "
+        "and optimizer, and stored profiles are always reused.",
+    )
+    model: str = Field("small_cnn", description="Zoo model name, or package.module:factory.")
+    num_classes: int = Field(10, ge=1, description="Width of the model's logits.")
+    options: str = Field("", description='Model options: a JSON object, or "key=value,key=value".')
+    batch_sizes: list[int] = Field(
+        default_factory=list,
+        description="Batch sizes to measure (e.g. 1,2,4); empty: powers of two that fit memory.",
+    )
+    max_batch: int = Field(256, ge=1, description="Largest automatic batch size.")
+    repeats: int = Field(5, ge=1, description="Timed runs per layer and batch size (medians).")
+    warmup: int = Field(2, ge=0, description="Untimed runs before the timed ones.")
+    memory_budget: int = Field(
+        0, ge=0, description="Bytes this device may use (0: cgroup limit, else free memory)."
+    )
+    threads: int = Field(0, ge=0, description="Torch threads (0: the cores this process may use).")
+    refresh: bool = Field(False, description="Measure again even if Redis holds a profile.")
+    optimizer: Literal["sgd", "adam", "adamw"] = Field(
+        "sgd", description="Optimizer whose state is counted."
+    )
+    out: Path | None = Field(None, description="Also write the profile to this JSON file.")

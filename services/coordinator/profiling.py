@@ -126,7 +126,7 @@ def _ask_profilers(coord: Coordinator, req: ProfileRequest, device: DeviceId) ->
     raise AsteroidError(
         f"no profiler service runs on a device like worker {device} "
         f"(fingerprint {req.fingerprint}; asked {tried or 'none'}): start "
-        f"`asteroid-profiler --serve --threads {req.threads}` on that device"
+        "`asteroid-profiler --serve` on that device"
     )
 
 

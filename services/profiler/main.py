@@ -1,12 +1,15 @@
-"""`asteroid-profiler`: measure a model on this device, once, and share it through Redis.
+"""`asteroid-profiler`: measure a model on this device and share it through Redis.
 
 The profile is stored under ``profile:<model key>:<device fingerprint>`` and
 reused by later runs on the same device (same CPU, cores, quota, threads and
 memory limit) unless `--refresh` is given. Progress shows as a bar on a
 terminal and as log lines otherwise; a per-layer summary table ends the run.
+With `--serve` the profiler instead answers the coordinator's requests until
+stopped (see `services.profiler.service`).
 
-Exit codes: 0 profile ready, 2 invalid settings or model, 3 Redis unreachable
-or profiling failed, 130 interrupted.
+Exit codes: 0 profile ready (with `--serve`: stopped by SIGTERM/SIGINT, like
+the planner service), 2 invalid settings or model, 3 Redis unreachable or
+profiling failed, 130 interrupted (`common.exit_codes.ExitCode`).
 """
 
 from __future__ import annotations
@@ -16,70 +19,36 @@ import os
 import signal
 import sys
 import time
-from enum import IntEnum
-from pathlib import Path
 
 import redis
 import torch
-from pydantic import Field, ValidationError
+import zmq
 from pydantic_settings import CliApp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from common.errors import AsteroidError, ConfigError
+from common.errors import AsteroidError, ConfigError, StoreError
+from common.exit_codes import ExitCode
 from common.logging import bind_global, configure_logging, get_logger
 from common.memory import keep_freed_memory
 from common.profile import Profile
-from common.settings import CommonSettings
+from common.settings import ProfilerSettings
 from common.store import Store
 from common.zoo import ModelSpec, OptionValue
-from services.profiler.layers import (
-    Optimizer,
-    ProgressFn,
-    Step,
+from services.profiler.cache import load_reusable, save
+from services.profiler.device import (
     default_threads,
     device_fingerprint,
     memory_budget,
-    model_key,
-    profile_model,
     visible_cores,
 )
+from services.profiler.layers import ProgressFn, Step, model_key, profile_model
+from services.profiler.service import ProfilerService
 
-__all__ = ["ExitCode", "ProfilerSettings", "main", "parse_options", "run"]
+__all__ = ["main", "parse_options", "run", "serve"]
 
 log = get_logger(__name__)
-
-
-class ExitCode(IntEnum):
-    """Process exit codes of `asteroid-profiler`."""
-
-    OK = 0
-    CONFIG = 2
-    FAILED = 3
-    INTERRUPTED = 130
-
-
-class ProfilerSettings(CommonSettings):
-    """What to profile and how carefully; device settings match the worker's."""
-
-    model: str = Field("small_cnn", description="Zoo model name, or package.module:factory.")
-    num_classes: int = Field(10, ge=1, description="Width of the model's logits.")
-    options: str = Field("", description='Model options: a JSON object, or "key=value,key=value".')
-    batch_sizes: list[int] = Field(
-        default_factory=list,
-        description="Batch sizes to measure (e.g. 1,2,4); empty: powers of two that fit memory.",
-    )
-    max_batch: int = Field(256, ge=1, description="Largest automatic batch size.")
-    repeats: int = Field(5, ge=1, description="Timed runs per layer and batch size (medians).")
-    warmup: int = Field(2, ge=0, description="Untimed runs before the timed ones.")
-    memory_budget: int = Field(
-        0, ge=0, description="Bytes this device may use (0: cgroup limit, else free memory)."
-    )
-    threads: int = Field(0, ge=0, description="Torch threads (0: the cores this process may use).")
-    refresh: bool = Field(False, description="Measure again even if Redis holds a profile.")
-    optimizer: Optimizer = Field("sgd", description="Optimizer whose state is counted.")
-    out: Path | None = Field(None, description="Also write the profile to this JSON file.")
 
 
 def parse_options(text: str) -> dict[str, OptionValue]:
@@ -113,22 +82,6 @@ def parse_options(text: str) -> dict[str, OptionValue]:
     if bad:
         raise ConfigError(f"option values must be numbers, strings or booleans, got {bad}")
     return raw
-
-
-def _stored(store: Store, key: str, device: str, wanted: list[int]) -> Profile | None:
-    """The stored profile, if present, valid, and measured at the wanted batch sizes."""
-    data = store.get_json("profile", key, device)
-    if data is None:
-        return None
-    try:
-        prof = Profile.model_validate(data)
-    except ValidationError as exc:
-        log.warning("stored profile is invalid; measuring again", error=str(exc).splitlines()[0])
-        return None
-    if wanted and prof.batch_sizes != sorted(set(wanted)):
-        log.info("stored profile has other batch sizes", stored=prof.batch_sizes, wanted=wanted)
-        return None
-    return prof
 
 
 def _measure(settings: ProfilerSettings, spec: ModelSpec, device: str, budget: int) -> Profile:
@@ -234,7 +187,7 @@ def run(settings: ProfilerSettings) -> ExitCode:
     store = Store(settings.redis_url, settings.cluster)
     try:
         store.ping()
-        prof = None if settings.refresh else _stored(store, key, device, settings.batch_sizes)
+        prof = None if settings.refresh else load_reusable(store, key, device, settings.batch_sizes)
         if prof is not None:
             log.info("profile reused from Redis", model=key, batch_sizes=prof.batch_sizes)
         else:
@@ -242,21 +195,20 @@ def run(settings: ProfilerSettings) -> ExitCode:
             _warn_if_busy()
             started = time.perf_counter()
             prof = _measure(settings, spec, device, budget)
-            store.put_json(prof.model_dump(mode="json"), "profile", key, device)
-            store.set_fields({device: prof.created}, "profiles", key)
+            stored = save(store, prof)
             log.info(
                 "profile measured and stored",
                 model=key,
                 batch_sizes=prof.batch_sizes,
                 elapsed_s=_secs(started),
-                redis_key=store.key("profile", key, device),
+                redis_key=store.key("profile", stored),
             )
     except ConfigError as exc:
         log.error("invalid model", error=str(exc))
         return ExitCode.CONFIG
     except (AsteroidError, redis.RedisError) as exc:
         log.error("profiling failed", error=str(exc))
-        return ExitCode.FAILED
+        return ExitCode.JOB_FAILED
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
     finally:
@@ -266,9 +218,32 @@ def run(settings: ProfilerSettings) -> ExitCode:
             settings.out.write_text(prof.model_dump_json(indent=2))
         except OSError as exc:
             log.error("cannot write the profile", path=str(settings.out), error=str(exc))
-            return ExitCode.FAILED
+            return ExitCode.JOB_FAILED
         log.info("profile written", path=str(settings.out))
     Console().print(_summary(prof))
+    return ExitCode.OK
+
+
+def serve(settings: ProfilerSettings) -> ExitCode:
+    """Answer profile requests until SIGTERM or SIGINT, which stop it cleanly (exit code OK)."""
+    try:
+        service = ProfilerService(settings)
+    except zmq.ZMQError as exc:
+        log.error("invalid coordinator address", address=settings.coordinator, error=str(exc))
+        return ExitCode.CONFIG
+    bind_global(service=service.identity)
+
+    def _stop(signum: int, _: object) -> None:
+        log.info("stopping", signal=signal.Signals(signum).name)
+        service.stopping.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        service.serve()
+    except StoreError as exc:
+        log.error("profiler service cannot start", error=str(exc))
+        return ExitCode.JOB_FAILED
     return ExitCode.OK
 
 
@@ -281,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = CliApp.run(ProfilerSettings, cli_args=sys.argv[1:] if argv is None else argv)
     configure_logging(settings.log_level, settings.log_format)
     keep_freed_memory()  # allocate like a worker does, so the times match its own
+    if settings.serve:
+        sys.exit(int(serve(settings)))
     signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(int(run(settings)))
 

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from services.profiler.layers import (
+from services.profiler.device import (
     cgroup_memory_limit,
     cpu_quota,
     default_threads,

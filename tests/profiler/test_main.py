@@ -4,11 +4,13 @@ import pytest
 import structlog
 
 from common.errors import ConfigError
+from common.exit_codes import ExitCode
 from common.profile import Profile
 from common.store import Store
 from common.zoo import ModelSpec
-from services.profiler.layers import device_fingerprint, model_key
-from services.profiler.main import ExitCode, main, parse_options
+from services.profiler.device import device_fingerprint
+from services.profiler.layers import model_key
+from services.profiler.main import main, parse_options
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +80,7 @@ def test_other_batch_sizes_are_measured_again(run_main):
         *QUICK[:2], "--batch-sizes", "1,8", "--repeats", "1", "--threads", "1"
     )
     assert code == ExitCode.OK
-    assert "stored profile has other batch sizes" in _events(stderr)
+    assert "stored profile lacks batch sizes" in _events(stderr)
 
 
 def test_model_options_reach_the_model(run_main, tmp_path):
@@ -100,7 +102,7 @@ def test_unknown_model_and_bad_options_exit_with_config(run_main):
 def test_unreachable_redis_exits_with_failed(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--redis-url", "redis://127.0.0.1:1/0", "--log-format", "json", *QUICK])
-    assert exit_info.value.code == ExitCode.FAILED
+    assert exit_info.value.code == ExitCode.JOB_FAILED
     assert "does not answer" in capsys.readouterr().err
 
 

@@ -48,10 +48,16 @@ class WorkerSettings(CommonSettings):
     """A worker: its name, where peers reach it, and how much of the device it may use."""
 
     device: str = Field("", description="Device name; defaults to the host name and pid.")
-    data_host: str = Field("127.0.0.1", description="Interface the data-plane socket binds to.")
+    data_host: str = Field(
+        "",
+        description="Interface the data-plane socket binds to (empty: loopback if the "
+        "coordinator is on loopback, else every interface).",
+    )
     data_port: int = Field(0, ge=0, description="Data-plane port (0 picks a free one).")
     advertise_host: str = Field(
-        "", description="Host peers use to reach this worker (defaults to data_host)."
+        "",
+        description="Host peers use to reach this worker (empty: data_host, or the address "
+        "that routes to the coordinator).",
     )
     threads: int = Field(
         0, ge=0, description="Torch threads (0: cores divided by workers_per_host)."

@@ -278,7 +278,7 @@ class Coordinator:
         written under another plan): workers are re-assigned, not restarted.
         """
         total = check_job(job)
-        self._register(job, total)
+        self._register(job, total, keep_checkpoints=resume)
         return JobRun(self, job, total).run(plan, resume)
 
     def serve(self, stop_after: str | None = None) -> JobSummary | None:
@@ -314,13 +314,17 @@ class Coordinator:
         self._register(job, total)
         self.queue.append((job, total))
 
-    def _register(self, job: JobSpec, total: int) -> None:
-        """Forget an earlier run of this job id and record the new one as submitted."""
+    def _register(self, job: JobSpec, total: int, keep_checkpoints: bool = False) -> None:
+        """Record the job as submitted, forgetting an earlier run of this id.
+
+        A resumed job keeps its checkpoints (it continues from the newest) and
+        its metrics and events (its history goes on).
+        """
         jid = job.job_id
-        self.store.r.delete(
-            *(self.store.key(part, jid) for part in ("job", "events", "metrics", "plan", "cluster"))
-        )
-        self.store.delete_prefix("ckpt", jid, "")
+        if not keep_checkpoints:
+            parts = ("job", "events", "metrics", "plan", "cluster")
+            self.store.r.delete(*(self.store.key(part, jid) for part in parts))
+            self.store.delete_prefix("ckpt", jid, "")
         self.store.put_json(job.model_dump(mode="json"), "jobspec", jid)
         self.store.set_fields(
             {"state": "submitted", "submitted": time.time(), "total_rounds": total, "round": 0},

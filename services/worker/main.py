@@ -1,9 +1,10 @@
 """`asteroid-worker`: one per device; joins the coordinator and runs its stage.
 
-Main thread: commands from the coordinator (assign, run round, checkpoint,
-shutdown) and all torch compute. Side threads: control link (heartbeats),
-receiver (task pool) and dispatcher (sends). A failure inside a command is
-reported to the coordinator as a WorkerError; the worker keeps serving.
+Main thread: commands from the coordinator (assign, run round, evaluate,
+checkpoint, shutdown) and all torch compute. Side threads: control link
+(heartbeats), receiver (task pool) and dispatcher (sends). A failure inside a
+command is reported to the coordinator as a WorkerError; the worker keeps
+serving.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from common.messages import (
     Assign,
     Assigned,
     CheckpointSaved,
+    EvalDone,
     Heartbeat,
     RoundDone,
+    RunEval,
     RunRound,
     SaveCheckpoint,
     Shutdown,
@@ -39,7 +42,8 @@ from common.messages import (
 )
 from common.settings import WorkerSettings
 from common.store import Store
-from services.profiler.layers import device_fingerprint
+from services.profiler.device import device_fingerprint, visible_cores
+from services.worker.addressing import data_hosts
 from services.worker.control import ControlLink
 from services.worker.pool import TaskPool
 from services.worker.stage import StageRunner
@@ -74,10 +78,10 @@ class Worker:
         self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.pool = TaskPool()
+        bind, host = data_hosts(settings.data_host, settings.advertise_host, settings.coordinator)
         self.receiver = Receiver(
-            self.ctx, f"tcp://{settings.data_host}:{settings.data_port}", self.limits, self.pool
+            self.ctx, f"tcp://{bind}:{settings.data_port}", self.limits, self.pool
         )
-        host = settings.advertise_host or settings.data_host
         self.data_addr = f"tcp://{host}:{self.receiver.endpoint.rsplit(':', 1)[1]}"
         self.dispatcher = Dispatcher(self.ctx, self.device)
         self.control = ControlLink(
@@ -103,6 +107,8 @@ class Worker:
             memory_budget=self.settings.memory_budget,
             fingerprint=self.fingerprint,
             threads=torch.get_num_threads(),
+            host=socket.gethostname(),
+            cores=visible_cores(),
             pid=os.getpid(),
             epoch=r.epoch if r else 0,
             stage=r.p if r else -1,
@@ -141,6 +147,8 @@ class Worker:
                 self._assign(msg)
             elif isinstance(msg, RunRound):
                 self._run_round(msg)
+            elif isinstance(msg, RunEval):
+                self._run_eval(msg)
             elif isinstance(msg, SaveCheckpoint):
                 runner = self._current(msg.epoch)
                 layers = runner.save(msg.round)
@@ -201,9 +209,7 @@ class Worker:
         self.state = "training"
         bind_global(round=msg.round)
         res = runner.run_round(msg.round)
-        if self.dispatcher.error is not None:
-            err, self.dispatcher.error = self.dispatcher.error, None
-            raise AsteroidError(f"sending to a peer failed during round {msg.round}: {err}")
+        self._check_sends(f"round {msg.round}")
         self.state = "ready"
         self.control.send(
             RoundDone(
@@ -218,6 +224,31 @@ class Worker:
                 timings=res.stage_timings(),
             )
         )
+
+    def _run_eval(self, msg: RunEval) -> None:
+        runner = self._current(msg.epoch)
+        self.state = "evaluating"
+        bind_global(round=msg.round)
+        res = runner.run_eval(msg.round, msg.batches)
+        self._check_sends(f"the evaluation of round {msg.round}")
+        self.state = "ready"
+        self.control.send(
+            EvalDone(
+                device=self.device,
+                epoch=msg.epoch,
+                round=msg.round,
+                stage=runner.p,
+                samples=res.samples,
+                loss_sum=res.loss_sum,
+                correct=res.correct,
+            )
+        )
+
+    def _check_sends(self, during: str) -> None:
+        """Turn a failed asynchronous send into this command's error."""
+        if self.dispatcher.error is not None:
+            err, self.dispatcher.error = self.dispatcher.error, None
+            raise AsteroidError(f"sending to a peer failed during {during}: {err}")
 
     def close(self) -> None:
         """Stop threads and sockets; safe to call twice."""

@@ -4,6 +4,11 @@ Receivers put activation, gradient and all-reduce parts here; a forward or
 backward task becomes ready once parts cover the device's whole sample range
 of that micro-batch. Parts of an older plan epoch or an already-finished round
 are dropped, duplicates too, so replays never reach the scheduler.
+
+Held-out evaluation parts (activations with phase "eval") live under their own
+kind "E", keyed by the round whose weights they evaluate, so they can never
+complete a training task. An evaluation of round R's weights is over once a
+later evaluation begins or training round R starts (that changes the weights).
 """
 
 from __future__ import annotations
@@ -33,6 +38,13 @@ class Part:
     tensors: list[torch.Tensor]
 
 
+def _kind(msg: Activation | Gradient) -> str:
+    """The task kind a part belongs to: training forward, backward, or evaluation."""
+    if isinstance(msg, Gradient):
+        return "B"
+    return "E" if msg.phase == "eval" else "F"
+
+
 @dataclass
 class _Slot:
     parts: dict[int, Part] = field(default_factory=dict)
@@ -40,13 +52,18 @@ class _Slot:
 
 
 class TaskPool:
-    """Thread-safe store of incoming parts, keyed by (round, kind, micro-batch)."""
+    """Thread-safe store of incoming parts, keyed by (round, kind, micro-batch).
+
+    For kind "E" the round names the evaluated weights and the micro-batch
+    counts across the whole evaluation (batch x M + micro-batch).
+    """
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.epoch = -1
         self.stage = -1
         self.round = -1
+        self.eval_round = -1
         self.span = (0, 0)
         self._slots: dict[tuple[int, str, int], _Slot] = {}
         self._chunks: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -68,32 +85,58 @@ class TaskPool:
         """Serve `stage` of plan epoch `epoch`; a task is complete when parts cover `span`."""
         with self.cond:
             self.epoch, self.stage, self.round, self.span = epoch, stage, -1, span
+            self.eval_round = -1
             self.aborted = None
             self._slots.clear()
             self._chunks.clear()
 
     def begin_round(self, round_no: int) -> None:
-        """Drop everything of rounds before `round_no`; later parts are kept."""
+        """Drop everything of rounds before `round_no`; later parts are kept.
+
+        Evaluation parts of round `round_no`'s weights go too: training it
+        changes them, so that evaluation is over.
+        """
         with self.cond:
             self.round = round_no
-            self._slots = {k: v for k, v in self._slots.items() if k[0] >= round_no}
+            self._slots = {k: v for k, v in self._slots.items() if not self._done(*k[:2])}
             self._chunks = {k: v for k, v in self._chunks.items() if k[0] >= round_no}
 
-    def _fresh(self, msg: Activation | Gradient | ReduceChunk) -> str | None:
+    def begin_eval(self, round_no: int) -> None:
+        """Start evaluating round `round_no`'s weights; older evaluation parts are dropped.
+
+        Parts of this evaluation that arrived early (the previous stage may
+        start first) are kept.
+        """
+        with self.cond:
+            self.eval_round = round_no
+            self._slots = {k: v for k, v in self._slots.items() if not self._done(*k[:2])}
+
+    def _done(self, round_no: int, kind: str) -> bool:
+        """Whether tasks of (`round_no`, `kind`) can no longer be asked for (under `cond`)."""
+        if kind == "E":
+            return round_no < self.eval_round or round_no <= self.round
+        return round_no < self.round
+
+    def _fresh(self, msg: Activation | Gradient | ReduceChunk, kind: str) -> str | None:
         if msg.epoch != self.epoch:
             return f"plan epoch {msg.epoch}, current is {self.epoch}"
         if msg.stage != self.stage:
             return f"addressed to stage {msg.stage}, this worker runs stage {self.stage}"
-        if msg.round < self.round:
+        if self._done(msg.round, kind):
+            if kind == "E":
+                return (
+                    f"evaluation of round {msg.round} is over (evaluating {self.eval_round}, "
+                    f"training round {self.round})"
+                )
             return f"round {msg.round} already finished (current {self.round})"
         return None
 
     def put_part(self, msg: Activation | Gradient, tensors: list[torch.Tensor]) -> str | None:
         """Add a part; returns why it was dropped, or None when accepted."""
-        kind, mb, round_no = ("F" if isinstance(msg, Activation) else "B"), msg.mb, msg.round
+        kind, mb, round_no = _kind(msg), msg.mb, msg.round
         part = Part(msg.lo, msg.hi, tensors)
         with self.cond:
-            stale = self._fresh(msg)
+            stale = self._fresh(msg, kind)
             if stale:
                 self.dropped += 1
                 return stale
@@ -112,7 +155,7 @@ class TaskPool:
     def put_chunk(self, msg: ReduceChunk, t: torch.Tensor) -> str | None:
         """Add an all-reduce chunk; returns why it was dropped, or None."""
         with self.cond:
-            stale = self._fresh(msg)
+            stale = self._fresh(msg, "R")
             key = (msg.round, msg.step, msg.chunk)
             if stale or key in self._chunks:
                 self.dropped += 1
@@ -122,7 +165,7 @@ class TaskPool:
             return None
 
     def ready(self, round_no: int, kind: str) -> frozenset[int]:
-        """Micro-batches of `kind` whose parts cover the whole range (call under `cond`)."""
+        """Micro-batches of `kind` ("F", "B", "E") whose parts cover the range (under `cond`)."""
         return frozenset(
             mb
             for (r, k, mb), slot in self._slots.items()

@@ -4,7 +4,8 @@
 the rule checker and, later, the simulator); `next_task()` is what the worker
 calls on every step: given which tasks are ready in the pool, which one runs
 now. Both obey the same bound: under 1F1B at most K_p micro-batches have
-activations alive; under GPipe all M do.
+activations alive; under GPipe all M do. Held-out evaluation is forwards
+only: `eval_schedule()` and `next_eval()` are its pair.
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["POLICIES", "Action", "PoolView", "next_task", "parse_action", "schedule"]
+__all__ = [
+    "POLICIES",
+    "Action",
+    "PoolView",
+    "eval_schedule",
+    "next_eval",
+    "next_task",
+    "parse_action",
+    "schedule",
+]
 
 Kind = Literal["F", "B"]
 POLICIES = ("1f1b", "gpipe")
@@ -78,5 +88,22 @@ def next_task(view: PoolView, stage: int, k: int, m: int, policy: str) -> Action
         return Action(stage, "B", min(view.backward_ready))
     limit = k if policy == "1f1b" else m
     if not all_forwarded and view.alive < limit and view.next_forward in view.forward_ready:
+        return Action(stage, "F", view.next_forward)
+    return None
+
+
+def eval_schedule(stage: int, n: int) -> list[Action]:
+    """Canonical order of an evaluation over `n` micro-batches: forwards in order."""
+    return [Action(stage, "F", j) for j in range(n)]
+
+
+def next_eval(view: PoolView, stage: int, n: int) -> Action | None:
+    """The evaluation forward to run now, or None to wait for the pool.
+
+    Strictly in micro-batch order, the order the previous stage sends them.
+    Nothing stays alive after an evaluation forward (no backward follows), so
+    no K_p bound applies; `view.alive` and `view.backward_ready` are ignored.
+    """
+    if view.next_forward < n and view.next_forward in view.forward_ready:
         return Action(stage, "F", view.next_forward)
     return None

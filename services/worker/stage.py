@@ -3,7 +3,9 @@
 `StageRunner.run_round` is the scheduler loop of Asteroid's Fig. 11: it asks
 the pure `next_task` which task to run, runs it, hands results to the
 dispatcher (which sends while the next task computes), and at round end
-all-reduces gradients inside the group and steps the optimizer once.
+all-reduces gradients inside the group and steps the optimizer once, at the
+learning rate the job's schedule gives that round. Held-out evaluation runs
+through the same routes in `services.worker.evaluate`.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ import torch
 from torch import nn
 
 from common.checkpoint import load_stage, restore_optimizer, save_stage
-from common.data import dataset_for, split_indices
 from common.errors import ConfigError
 from common.ids import DeviceId
-from common.job import OptimizerSpec
+from common.job import OptimizerSpec, learning_rate
+from common.job_data import open_data
 from common.messages import Activation, Assign, Gradient, ReduceChunk, StageTimings
 from common.plan import routes
 from common.store import Store
 from common.zoo import build_model
 from services.worker.allreduce import ring_allreduce
+from services.worker.evaluate import EvalResult, evaluate
 from services.worker.pool import TaskPool
 from services.worker.schedule import Action, PoolView, next_task
 from services.worker.transport import Dispatcher
@@ -48,6 +51,20 @@ def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.opt
             params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay
         )
     raise ConfigError(f"optimizer.kind {spec.kind!r} is not sgd, adam or adamw")
+
+
+def _job_rounds(assign: Assign) -> int:
+    """Rounds of the whole job, which the learning-rate schedule is relative to.
+
+    The coordinator's count wins (it may know a dataset's size this stage
+    cannot see); without one the job spec must say.
+    """
+    if assign.total_rounds:
+        return assign.total_rounds
+    try:
+        return assign.job.total_rounds()
+    except ConfigError as exc:
+        raise ConfigError(f"Assign.total_rounds is 0 and the job spec cannot tell: {exc}") from exc
 
 
 @dataclass
@@ -110,7 +127,9 @@ class StageRunner:
         self.module.train()
         self.optimizer = make_optimizer(list(self.module.parameters()), assign.job.optimizer)
         restore_optimizer(self.module, self.optimizer, optim_state)
-        self.dataset = dataset_for(zoo, assign.job.seed) if self.first else None
+        self.total_rounds = _job_rounds(assign)
+        # only the first stage reads samples; later stages get them as activations
+        self.data = open_data(assign.job, zoo) if self.first else None
         self.round = assign.from_round
         pool.reset(assign.epoch, p, self.span)
 
@@ -154,6 +173,9 @@ class StageRunner:
         a0 = time.perf_counter()
         self._allreduce(round_no)
         s0 = time.perf_counter()
+        lr = learning_rate(self.assign.job.optimizer, round_no, self.total_rounds)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         t["allreduce_s"] = s0 - a0
         t["step_s"] = time.perf_counter() - s0
@@ -183,9 +205,9 @@ class StageRunner:
         self, round_no: int, mb: int, res: RoundResult
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lo, hi = self.span
-        if self.dataset is not None:
+        if self.data is not None:
             base = round_no * self.plan.global_batch + mb * self.plan.micro_size
-            x, y = self.dataset.batch(split_indices("train", base + lo, hi - lo))
+            x, y = self.data.train_batch(base + lo, hi - lo)
         else:
             x, y = self.pool.take(round_no, "F", mb)
             if x.is_floating_point():
@@ -256,6 +278,10 @@ class StageRunner:
                 n = b.numel()
                 b.copy_(total[offset : offset + n].view_as(b))
                 offset += n
+
+    def run_eval(self, round_no: int, batches: int) -> EvalResult:
+        """Evaluate the weights of round `round_no` on `batches` held-out global batches."""
+        return evaluate(self, round_no, batches)
 
     # --- checkpoints ----------------------------------------------------------
 

@@ -31,7 +31,7 @@ def test_activations_alive_bounded_by_policy(tmp_path, redis_url, cluster_name, 
         policy=policy,
     )
     s = len(stages)
-    for entry in metrics:
+    for entry in (m for m in metrics if "loss" in m):
         for dev in entry["devices"].values():
             k = min(2 * (s - dev["stage"]) - 1, M)
             if policy == "1f1b":

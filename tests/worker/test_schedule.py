@@ -10,7 +10,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.worker.schedule import Action, PoolView, next_task, parse_action, schedule
+from services.worker.schedule import (
+    Action,
+    PoolView,
+    eval_schedule,
+    next_eval,
+    next_task,
+    parse_action,
+    schedule,
+)
 
 
 def k_of(p, s, m):
@@ -107,3 +115,56 @@ def test_text_form():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown policy"):
         schedule(0, 1, 1, "zigzag")
+
+
+def simulate_eval(s, n, arrival_order):
+    """Every stage runs next_eval against the previous stage's sends; returns traces.
+
+    `arrival_order(p, sent)` reorders what stage p-1 has sent so far, as a network
+    with several upstream devices might deliver it.
+    """
+    sent = [[] for _ in range(s)]  # evaluation forwards finished on stage p, in order
+    trace = [[] for _ in range(s)]
+    progress = True
+    while progress:
+        progress = False
+        for p in range(s):
+            ready = frozenset(range(n)) if p == 0 else frozenset(arrival_order(p, sent[p - 1]))
+            view = PoolView(
+                next_forward=len(trace[p]), alive=0, forward_ready=ready, backward_ready=frozenset()
+            )
+            a = next_eval(view, p, n)
+            if a is None:
+                continue
+            progress = True
+            assert a.kind == "F" and a.stage == p
+            trace[p].append(a)
+            sent[p].append(a.mb)
+    return trace
+
+
+@given(st.integers(1, 6), st.integers(1, 20), st.randoms(use_true_random=False))
+def test_eval_runs_every_microbatch_once_in_order_whatever_the_arrival_order(s, n, rng):
+    def shuffled(_p, got):
+        got = list(got)
+        rng.shuffle(got)
+        return got
+
+    trace = simulate_eval(s, n, shuffled)
+    for p in range(s):
+        assert trace[p] == eval_schedule(p, n)
+
+
+def test_eval_waits_for_the_next_microbatch_and_stops_after_the_last():
+    def view(nf, ready):
+        return PoolView(
+            next_forward=nf, alive=5, forward_ready=frozenset(ready), backward_ready=frozenset({0})
+        )
+
+    assert next_eval(view(1, {2, 3}), 1, 4) is None  # 1 has not arrived; 2 and 3 wait
+    assert next_eval(view(1, {1, 2}), 1, 4) == Action(1, "F", 1)
+    assert next_eval(view(4, {4}), 1, 4) is None  # all 4 ran
+
+
+def test_eval_schedule_is_the_forwards_in_order():
+    assert [str(a) for a in eval_schedule(3, 2)] == ["3F0", "3F1"]

@@ -1,0 +1,119 @@
+"""Stage runners of a whole plan in one process, wired by direct pool delivery.
+
+Every device gets a real `StageRunner` and `TaskPool`; the dispatcher is
+replaced by one that puts parts straight into the destination's pool (cloned,
+as the wire would), so routing, scheduling and evaluation are tested without
+sockets. Commands run in one thread per device with a barrier between them,
+as the coordinator waits for every reply before its next command.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from common.checkpoint import commit_checkpoint, save_stage
+from common.job import JobSpec
+from common.messages import Activation, Assign, Gradient, ReduceChunk
+from common.plan import Plan
+from common.store import Store
+from common.zoo import build_model
+from services.worker.pool import TaskPool
+from services.worker.stage import StageRunner
+
+
+class DirectDispatcher:
+    """Delivers into the peers' pools at once; remembers drops."""
+
+    def __init__(self, pools: dict[str, TaskPool]) -> None:
+        self.pools = pools
+        self.dropped: list[str] = []
+
+    def send(self, dst: str, msg: Any, tensors: Any = ()) -> None:
+        copies = [t.clone() for t in tensors]
+        if isinstance(msg, Activation | Gradient):
+            why = self.pools[dst].put_part(msg, copies)
+        elif isinstance(msg, ReduceChunk):
+            why = self.pools[dst].put_chunk(msg, copies[0])
+        else:
+            raise AssertionError(f"unexpected {msg.type} on the data plane")
+        if why:
+            self.dropped.append(why)
+
+
+class LocalPipeline:
+    """Runners of every device of `plan`, from checkpoint 0 of `job`."""
+
+    def __init__(
+        self,
+        store: Store,
+        store_url: str,
+        cluster: str,
+        job: JobSpec,
+        plan: Plan,
+        total_rounds: int = 0,
+        timeout_s: float = 30.0,
+    ) -> None:
+        zoo = build_model(job.model, job.seed)
+        full = zoo.full()
+        save_stage(store, job.job_id, 0, full, None, 0)
+        commit_checkpoint(store, job.job_id, 0, len(full))
+        self.plan = plan
+        self.pools = {str(d): TaskPool() for d in plan.devices}
+        self.out = DirectDispatcher(self.pools)
+        self.runners: dict[str, StageRunner] = {}
+        for d in plan.devices:
+            msg = Assign(
+                epoch=1,
+                job=job,
+                plan=plan,
+                stage=plan.stage_of(d),
+                peers={},
+                from_round=0,
+                store_url=store_url,
+                cluster=cluster,
+                total_rounds=total_rounds,
+            )
+            pool = self.pools[str(d)]
+            self.runners[str(d)] = StageRunner(msg, d, store, pool, self.out, timeout_s)
+
+    def run(self, command: str, *args: int) -> dict[str, Any]:
+        """Run `runner.<command>(*args)` on every device at once; returns the results."""
+        results: dict[str, Any] = {}
+        errors: list[BaseException] = []
+
+        def work(name: str, runner: StageRunner) -> None:
+            try:
+                results[name] = getattr(runner, command)(*args)
+            except BaseException as exc:
+                errors.append(exc)
+                for pool in self.pools.values():
+                    pool.abort(f"{name} failed: {exc}")
+
+        threads = [
+            threading.Thread(target=work, args=(n, r), daemon=True) for n, r in self.runners.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        if errors:
+            raise errors[0]
+        assert len(results) == len(self.runners), "a runner did not finish"
+        return results
+
+    def last_stage(self) -> list[str]:
+        """Devices of the last stage, whose results carry loss and accuracy."""
+        return [str(a.device) for a in self.plan.stages[-1].devices]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's state, keyed like `zoo.full().state_dict()`, from each leader."""
+        out: dict[str, torch.Tensor] = {}
+        for st in self.plan.stages:
+            runner = self.runners[str(st.devices[0].device)]
+            for key, value in runner.module.state_dict().items():
+                head, _, rest = key.partition(".")
+                out[f"{runner.start + int(head)}.{rest}"] = value.detach().clone()
+        return out

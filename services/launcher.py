@@ -48,10 +48,17 @@ class LocalStack:
         self.workers, self.log_dir = workers, log_dir
         self.cluster, self.threads = cluster, threads
         self.memory_budget, self.heartbeat_s = memory_budget, heartbeat_s
-        self.redis_url = redis_url
+        self._url = redis_url
         self.coordinator = f"tcp://127.0.0.1:{_free_port()}"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._redis: EmbeddedRedis | None = None
+
+    @property
+    def redis_url(self) -> str:
+        """The Redis every service uses (the embedded one once started)."""
+        if self._url is None:
+            raise AsteroidError("the local stack has not started its Redis yet")
+        return self._url
 
     @property
     def devices(self) -> list[str]:
@@ -60,7 +67,6 @@ class LocalStack:
 
     def env(self) -> dict[str, str]:
         """The environment every service of the stack gets."""
-        assert self.redis_url is not None  # set by start()
         return {
             **os.environ,
             "ASTEROID_REDIS_URL": self.redis_url,
@@ -74,9 +80,9 @@ class LocalStack:
     def start(self) -> LocalStack:
         """Start everything (Redis first, workers last); returns self."""
         try:
-            if self.redis_url is None:
+            if self._url is None:
                 self._redis = EmbeddedRedis().__enter__()
-                self.redis_url = self._redis.url
+                self._url = self._redis.url
             py = [sys.executable, "-m"]
             self._spawn(
                 "coordinator", [*py, "services.coordinator.main", "--bind", self.coordinator]

@@ -53,7 +53,8 @@ def test_an_unreachable_coordinator_is_named(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(GOOD))
     dead = f"tcp://127.0.0.1:{free_port()}"
-    res = CliRunner().invoke(app, ["train", str(path), "--coordinator", dead], env={})
+    args = ["train", str(path), "--coordinator", dead, "--reply-timeout", "1"]
+    res = CliRunner().invoke(app, args, env={})
     assert res.exit_code == ExitCode.CONFIG
     assert f"no coordinator answered at {dead}" in " ".join(res.output.split())
 

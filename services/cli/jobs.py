@@ -35,6 +35,9 @@ CoordinatorOpt = Annotated[
     typer.Option(help="Coordinator control address (default: ASTEROID_COORDINATOR)."),
 ]
 RedisOpt = Annotated[str | None, typer.Option(help="Redis URL (default: ASTEROID_REDIS_URL).")]
+ReplyTimeout = Annotated[
+    float, typer.Option(min=0.1, help="Seconds to wait for the coordinator's reply.")
+]
 ClusterOpt = Annotated[
     str | None, typer.Option(help="Cluster key prefix (default: ASTEROID_CLUSTER).")
 ]
@@ -82,13 +85,14 @@ def train(
     coordinator: CoordinatorOpt = None,
     redis_url: RedisOpt = None,
     cluster: ClusterOpt = None,
+    reply_timeout: ReplyTimeout = 15.0,
 ) -> None:
     """Submit a job to a running coordinator and follow its progress."""
     s = _settings(coordinator, redis_url, cluster)
     try:
         job = load_job(job_file)
         check_job(job)
-        reply = ask_coordinator(s.coordinator, SubmitJob(job=job, replace=replace))
+        reply = ask_coordinator(s.coordinator, SubmitJob(job=job, replace=replace), reply_timeout)
     except AsteroidError as exc:
         raise _fail(exc) from exc
     if not reply.ok:
@@ -111,11 +115,12 @@ def train(
 def cancel(
     job_id: Annotated[str, typer.Argument(help="The job to stop.")],
     coordinator: CoordinatorOpt = None,
+    reply_timeout: ReplyTimeout = 15.0,
 ) -> None:
     """Cancel a queued or running job (it stops at the next round boundary)."""
     s = _settings(coordinator, None, None)
     try:
-        reply = ask_coordinator(s.coordinator, CancelJob(job_id=job_id))
+        reply = ask_coordinator(s.coordinator, CancelJob(job_id=job_id), reply_timeout)
     except AsteroidError as exc:
         raise _fail(exc) from exc
     if not reply.ok:

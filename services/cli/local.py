@@ -9,8 +9,10 @@ way every child process is stopped on the way out.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -41,12 +43,28 @@ def _interrupt(signum: int, _: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+@contextlib.contextmanager
+def _foreground(what: str) -> Iterator[None]:
+    """SIGTERM acts as Ctrl-C (the stack's exit stops every child); errors become exit codes."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        console.print(f"interrupted; every process of the {what} is stopped")
+        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(int(ExitCode.CONFIG)) from exc
+    except AsteroidError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(int(ExitCode.JOB_FAILED)) from exc
+
+
 def _run_job(stack: LocalStack, job: JobSpec) -> JobView:
     """Submit `job` to the stack's coordinator and follow it to its end."""
     reply = ask_coordinator(stack.coordinator, SubmitJob(job=job), timeout_s=60)
     if not reply.ok:
         raise ConfigError(reply.error)
-    assert stack.redis_url is not None
     store = Store(stack.redis_url, stack.cluster)
     try:
         return follow(store, job.job_id, console)
@@ -80,8 +98,7 @@ def up(
     cluster: Cluster = "local",
 ) -> None:
     """Run a whole local cluster in the foreground until Ctrl-C (or until --job ends)."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
+    with _foreground("cluster"):
         spec = _load(job, workers) if job else None
         with LocalStack(workers, logs, redis_url, cluster, threads) as stack:
             console.print(
@@ -98,12 +115,6 @@ def up(
             while True:
                 stack.check()
                 time.sleep(0.5)
-    except KeyboardInterrupt:
-        console.print("stopped; every process of the cluster is gone")
-        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-    except AsteroidError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(int(ExitCode.CONFIG)) from exc
 
 
 def demo(
@@ -117,9 +128,8 @@ def demo(
     cluster: Cluster = "demo",
 ) -> None:
     """The quick start: a local cluster trains the example job, reports, and stops."""
-    signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
-    try:
+    with _foreground("demo"):
         spec = _load(job, workers)
         with LocalStack(workers, out / "logs", redis_url, cluster, threads) as stack:
             console.print(
@@ -130,14 +140,7 @@ def demo(
             if view.state != "finished":
                 console.print(f"[red]job {view.state}[/red]: {view.error}")
                 raise typer.Exit(int(view_exit_code(view)))
-            assert stack.redis_url is not None
             _report(Store(stack.redis_url, stack.cluster), spec, out)
-    except KeyboardInterrupt:
-        console.print("interrupted; every process of the demo is stopped")
-        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-    except AsteroidError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(int(ExitCode.CONFIG)) from exc
     console.print(f"done in {time.monotonic() - t0:.0f} s; everything stopped")
 
 

@@ -1,4 +1,3 @@
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,15 +14,6 @@ from common.cifar10 import (
 )
 from common.errors import ConfigError
 from common.zoo import ModelSpec, build_model
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Intra-op threads spin badly on a shared 2-core machine; one is faster here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_records(labels: list[int], first: int = 0) -> np.ndarray:

@@ -2,7 +2,6 @@ import inspect
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,15 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 IMAGES = SyntheticImages(seed=11)
 TOKENS = SyntheticTokens(seed=11)
 DATASETS = {"images": IMAGES, "tokens": TOKENS}
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Intra-op threads spin badly on a shared 2-core machine; one is faster here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def lowbias32_reference(x: int) -> int:

@@ -18,15 +18,6 @@ CNN = ModelSpec(name="small_cnn", options={"width": 4})
 BATCHNORM = ModelSpec(name="mobilenet_v2", options={"width_mult": 0.1})
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Intra-op threads spin badly on a shared 2-core machine; one is faster here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def store(redis_url: str, cluster_name: str) -> Iterator[Store]:
     s = Store(redis_url, cluster_name)

@@ -1,4 +1,3 @@
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,15 +12,6 @@ from common.job_data import JobData, eval_size, open_data, train_size
 from common.zoo import InputSpec, ModelSpec, build_model
 
 MLP = ModelSpec(name="mlp", options={"hidden": 8, "depth": 1})
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Intra-op threads spin badly on a shared 2-core machine; one is faster here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class IndexData:

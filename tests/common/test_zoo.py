@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,15 +28,6 @@ EXPECTED_LAYERS = {
 }
 WITH_BATCHNORM = {"efficientnet_b1", "mobilenet_v2", "resnet18", "resnet50"}
 FACTORIES = "zoo_test_factories"
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Intra-op threads spin badly on a shared 2-core machine; one is faster here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @functools.cache

@@ -27,6 +27,7 @@ from services.cli.client import ask_coordinator
 from services.cli.follow import follow
 from services.cli.report import job_report, stage_table, summary_table
 from services.launcher import LocalStack
+from tests.common.test_cifar10 import make_records, write
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +116,7 @@ def test_submit_profile_plan_train_evaluate_export(stack, redis_url, cluster_nam
 
 
 def test_cancel_stops_at_a_round_boundary_and_the_coordinator_goes_on(
-    stack, redis_url, cluster_name
+    stack, redis_url, cluster_name, tmp_path
 ):
     store = Store(redis_url, cluster_name)
     long = JobSpec.model_validate({**JOB, "job_id": "long", "rounds": 500, "eval_every": 0})
@@ -139,9 +140,17 @@ def test_cancel_stops_at_a_round_boundary_and_the_coordinator_goes_on(
     assert not reply.ok and reply.error.startswith("model:")
     assert store.get_fields("job", "bad") == {}
 
-    short = JobSpec.model_validate({**JOB, "job_id": "after", "rounds": 2, "eval_every": 0})
-    assert ask_coordinator(stack.coordinator, SubmitJob(job=short)).ok
+    # the coordinator goes on: one epoch of a (tiny) CIFAR-10 folder in its binary format
+    folder = tmp_path / "cifar"
+    folder.mkdir()
+    for name, n in (("data_batch_1.bin", 48), ("data_batch_2.bin", 48), ("test_batch.bin", 40)):
+        write(folder / name, make_records([i % 10 for i in range(n)]))
+    spec = {**JOB, "job_id": "after", "rounds": None, "epochs": 1, "eval_every": 0}
+    after = JobSpec.model_validate({**spec, "dataset": {"kind": "cifar10", "path": str(folder)}})
+    assert ask_coordinator(stack.coordinator, SubmitJob(job=after)).ok
     view = follow(store, "after", Console(file=io.StringIO()), timeout_s=120)
-    assert view.state == "finished"
+    assert view.state == "finished", view.error
+    assert len(view.rounds) == 3  # 96 training records, 32 per round
+    assert view.evals[-1]["eval_samples"] == 40  # every held-out record once
     stack.check()
     store.close()

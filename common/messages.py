@@ -69,6 +69,7 @@ class Heartbeat(_Msg):
     threads: int = 1
     host: str = Field("", description="Machine name; workers sharing one share its cores.")
     cores: int = Field(0, ge=0, description="Cores this worker's process may use.")
+    cpu_quota: float = Field(0.0, ge=0, description="Its cgroup CPU quota in cores (0: none).")
     pid: int = 0
     epoch: int = 0
     stage: int = -1

@@ -65,7 +65,12 @@ class WorkerSettings(CommonSettings):
     workers_per_host: int = Field(
         1, ge=1, description="Workers sharing this machine, for the default thread count."
     )
-    memory_budget: int = Field(0, ge=0, description="Bytes this worker may use (0: unknown).")
+    memory_budget: int = Field(
+        0,
+        ge=0,
+        description="Bytes training may use on this device (0: the cgroup limit minus what "
+        "the worker holds after start-up, else free memory).",
+    )
     task_timeout_s: float = Field(
         120.0, gt=0, description="Longest wait for an activation, gradient or reduce chunk."
     )

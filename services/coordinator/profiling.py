@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from common.errors import AsteroidError, ConfigError
 from common.ids import DeviceId
 from common.job import JobSpec
-from common.messages import ProfileReply, ProfileRequest
+from common.messages import Heartbeat, ProfileReply, ProfileRequest
 from common.profile import ClusterSpec, DeviceSpec, Profile
 from services.coordinator.membership import Member
 from services.profiler.layers import model_key
@@ -134,18 +134,23 @@ def host_crowding(members: dict[DeviceId, Member]) -> dict[DeviceId, float]:
     """How much slower each worker runs than profiled because others share its machine.
 
     Profiles are measured with one process busy; workers on one host (a local
-    cluster, several emulated devices) that together run more threads than it
-    has cores each get a proportionally smaller share of it.
+    cluster, several emulated devices) that together keep more cores busy than
+    it has (threads, capped by each one's CPU quota) each get a proportionally
+    smaller share of it. Quotas themselves are in the profile already.
     """
-    threads: dict[str, int] = {}
+
+    def demand(hb: Heartbeat) -> float:  # cores a worker can keep busy
+        return min(hb.threads, hb.cpu_quota) if hb.cpu_quota else hb.threads
+
+    busy: dict[str, float] = {}
     for m in members.values():
         if m.info.host:
-            threads[m.info.host] = threads.get(m.info.host, 0) + m.info.threads
+            busy[m.info.host] = busy.get(m.info.host, 0.0) + demand(m.info)
     out = {}
     for d, m in members.items():
         hb = m.info
-        busy = threads.get(hb.host, hb.threads) if hb.host else hb.threads
-        out[d] = max(1.0, busy / hb.cores) if hb.cores else 1.0
+        load = busy[hb.host] if hb.host else demand(hb)
+        out[d] = max(1.0, load / hb.cores) if hb.cores else 1.0
     return out
 
 
@@ -158,9 +163,10 @@ def cluster_for(
 ) -> ClusterSpec:
     """The cluster the planner sees: each worker with its profile and memory budget.
 
-    A worker's memory is the budget it was started with, else what `base` (a
-    cluster spec file given to the coordinator) says, else what its profile
-    measured (`budgets`, by profile key: cgroup limit or free memory). Links
+    A worker's memory is the training budget it reports (configured, or its
+    cgroup limit minus what it holds after start-up, or free memory), else
+    what `base` (a cluster spec file given to the coordinator) says, else what
+    its profile measured (`budgets`, by profile key). Links
     come from `base` when present, else every link gets `default_bandwidth`
     bytes/s; `base` also sets slowdowns, multiplied by `host_crowding`.
     """

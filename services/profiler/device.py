@@ -114,6 +114,27 @@ def memory_budget(configured: int = 0, root: Path = Path("/")) -> int:
     return cgroup_memory_limit(root) or _meminfo(root, "MemAvailable") or 0
 
 
+def resident_bytes(root: Path = Path("/")) -> int:
+    """Resident set size of the calling process in bytes (0 when unknown)."""
+    fields = (_read(root / "proc/self/statm") or "").split()
+    return int(fields[1]) * os.sysconf("SC_PAGE_SIZE") if len(fields) > 1 else 0
+
+
+def training_budget(configured: int = 0, root: Path = Path("/")) -> int:
+    """Bytes a worker may still use for training: what the planner should plan with.
+
+    `configured` if set; else the cgroup limit minus what this process already
+    holds (the interpreter and torch take a few hundred MiB, which a small
+    device's limit must not be planned twice for); else ``MemAvailable``.
+    """
+    if configured > 0:
+        return configured
+    limit = cgroup_memory_limit(root)
+    if limit is not None:
+        return max(0, limit - resident_bytes(root))
+    return _meminfo(root, "MemAvailable") or 0
+
+
 def visible_cores() -> int:
     """Cores this process may run on (its CPU affinity), before any cgroup quota."""
     try:

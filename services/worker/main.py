@@ -42,7 +42,12 @@ from common.messages import (
 )
 from common.settings import WorkerSettings
 from common.store import Store
-from services.profiler.device import device_fingerprint, visible_cores
+from services.profiler.device import (
+    cpu_quota,
+    device_fingerprint,
+    training_budget,
+    visible_cores,
+)
 from services.worker.addressing import data_hosts
 from services.worker.control import ControlLink
 from services.worker.pool import TaskPool
@@ -94,6 +99,7 @@ class Worker:
             self.pool.abort,
         )
         self.fingerprint = device_fingerprint(torch.get_num_threads(), settings.memory_budget)
+        self.budget = settings.memory_budget
         self.runner: StageRunner | None = None
         self.state = "idle"
         self.stopping = threading.Event()
@@ -104,11 +110,12 @@ class Worker:
         return Heartbeat(
             device=self.device,
             data_addr=self.data_addr,
-            memory_budget=self.settings.memory_budget,
+            memory_budget=self.budget,
             fingerprint=self.fingerprint,
             threads=torch.get_num_threads(),
             host=socket.gethostname(),
             cores=visible_cores(),
+            cpu_quota=cpu_quota() or 0.0,
             pid=os.getpid(),
             epoch=r.epoch if r else 0,
             stage=r.p if r else -1,
@@ -125,6 +132,8 @@ class Worker:
     def serve(self) -> None:
         """Run until told to shut down (or SIGTERM/SIGINT)."""
         _warm_up()
+        # measured after torch is loaded: what is left is what training may use
+        self.budget = training_budget(self.settings.memory_budget)
         self.receiver.start()
         self.dispatcher.start()
         self.control.start()

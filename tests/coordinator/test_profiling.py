@@ -77,3 +77,12 @@ def test_workers_sharing_a_machine_are_slowed_by_its_oversubscription():
 
 def test_unknown_host_or_cores_means_no_crowding():
     assert host_crowding(_crowd(("a", "", 4, 2), ("b", "pc", 1, 0))) == {"a": 2.0, "b": 1.0}
+
+
+def test_quotas_cap_what_each_worker_can_keep_busy():
+    members = _crowd(("a", "pc", 1, 2), ("b", "pc", 1, 2), ("c", "pc", 1, 2))
+    quota = {
+        d: Member(d, 0.0, m.info.model_copy(update={"cpu_quota": 0.5})) for d, m in members.items()
+    }
+    assert set(host_crowding(quota).values()) == {1.0}  # 1.5 of 2 cores: no crowding
+    assert set(host_crowding(members).values()) == {1.5}

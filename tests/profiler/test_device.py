@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,8 @@ from services.profiler.device import (
     default_threads,
     device_fingerprint,
     memory_budget,
+    resident_bytes,
+    training_budget,
 )
 
 GiB = 1 << 30
@@ -96,3 +99,14 @@ def test_fingerprint_of_this_machine_has_no_key_separators():
     fp = device_fingerprint(1)
     assert fp == device_fingerprint(1)
     assert ":" not in fp and " " not in fp
+
+
+def test_training_budget_leaves_out_what_the_process_already_holds(bare):
+    pages = 300 * (1 << 20) // os.sysconf("SC_PAGE_SIZE")
+    _write(bare, "proc/self/statm", f"999999 {pages} 0 0 0 0 0\n")
+    assert resident_bytes(bare) == 300 << 20
+    assert training_budget(0, bare) == 8000000 * 1024  # no cgroup: MemAvailable
+    _write(bare, "proc/self/cgroup", "4:memory:/bed/dev\n")
+    _write(bare, "sys/fs/cgroup/memory/bed/dev/memory.limit_in_bytes", f"{GiB}\n")
+    assert training_budget(0, bare) == GiB - (300 << 20)
+    assert training_budget(123, bare) == 123  # configured wins

@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: help install demo test test-slow lint fmt typecheck bench check clean
+.PHONY: help install demo test test-slow lint fmt typecheck bench bench-edge check clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ bench:  ## benchmarks: transport, planner speed, simulated planners; tables and 
 	$(BIN)/python -m tests.bench.bench_transport --out bench-results/transport
 	$(BIN)/python -m tests.bench.bench_planner
 	$(BIN)/python -m tests.bench.bench_simulation --out bench-results/simulation
+
+bench-edge:  ## real training on the emulated edge testbed (root): planners side by side
+	$(BIN)/python -m tests.bench.bench_edge --out bench-results/edge --memory-case
 
 check: lint typecheck test  ## every check, in order
 

@@ -37,18 +37,27 @@ def redis_server_binary() -> str:
         ) from None
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
 class EmbeddedRedis:
-    """A private redis-server on a free loopback port, stopped on exit."""
+    """A private redis-server on a free port of `host` (loopback by default), stopped on exit.
 
-    def __init__(self, port: int = 0, start_timeout_s: float = 10.0) -> None:
-        self.port = port or _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+    A testbed binds it to its bridge so that emulated devices reach it over
+    their links; on an address other than loopback Redis's protected mode
+    (which refuses every non-loopback client without a password) is turned
+    off, since the address is private to this machine's namespaces.
+    """
+
+    def __init__(
+        self, port: int = 0, start_timeout_s: float = 10.0, host: str = "127.0.0.1"
+    ) -> None:
+        self.host = host
+        self.port = port or _free_port(host)
+        self.url = f"redis://{host}:{self.port}/0"
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -59,7 +68,9 @@ class EmbeddedRedis:
                 "--port",
                 str(self.port),
                 "--bind",
-                "127.0.0.1",
+                self.host,
+                "--protected-mode",
+                "yes" if self.host == "127.0.0.1" else "no",
                 "--save",
                 "",
                 "--appendonly",

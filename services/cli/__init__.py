@@ -11,6 +11,7 @@ import typer
 
 from services.cli import jobs, local
 from services.cli import plan as plan_cmd
+from services.cli import testbed as testbed_cmd
 
 __all__ = ["app"]
 
@@ -42,3 +43,4 @@ app.command()(plan_cmd.plan)
 app.command()(jobs.status)
 app.command()(jobs.cancel)
 app.command()(jobs.export)
+app.add_typer(testbed_cmd.app, name="testbed")

@@ -60,6 +60,9 @@ estimate leaves out (allocator slack, convolution workspaces, temporaries)."""
 WARM_ENOUGH_S = 0.2
 """A first run longer than this is warm-up enough (see `_measure`)."""
 
+CALIBRATE_S = 0.3
+"""Seconds of whole passes per batch size that calibrate the per-layer medians."""
+
 
 def model_key(spec: ModelSpec) -> str:
     """A stable name for a model's shape: zoo name, class count, sorted options."""
@@ -228,6 +231,9 @@ def profile_model(
                 done += 1
                 if progress is not None:
                     progress(Step(done, total, i, len(layers), b))
+            scale = _calibration(layers, data.batch(split_indices("train", 0, b))[0], fwd, bwd)
+            for times in (*fwd, *bwd):
+                times[-1] *= scale
     factor = OPTIMIZER_STATE[optimizer]
     return Profile(
         model=model_key(spec),
@@ -250,6 +256,32 @@ def profile_model(
         ],
         created=time.time(),
     )
+
+
+def _calibration(
+    layers: list[nn.Module], x: torch.Tensor, fwd: list[list[float]], bwd: list[list[float]]
+) -> float:
+    """How much longer whole passes take than the sum of the layers' medians (>= 1).
+
+    Medians of short, separately timed layers miss what a whole pass pays:
+    time between layers, and above all a CPU quota (a cgroup, a container) that
+    lets a process run at full speed for part of each scheduling period and
+    then stops it. A layer shorter than that part is mostly timed at full speed;
+    passes timed back to back for `CALIBRATE_S` see the quota's average rate.
+    """
+    medians = sum(f[-1] + b[-1] for f, b in zip(fwd, bwd, strict=True))
+    if medians <= 0:
+        return 1.0
+    passes, t0 = 0, time.perf_counter()
+    while passes < 2 or time.perf_counter() - t0 < CALIBRATE_S:
+        h = x.detach().requires_grad_(False)
+        for layer in layers:
+            h = layer(h)
+        h.float().sum().backward()  # type: ignore[no-untyped-call]
+        passes += 1
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return max(1.0, (time.perf_counter() - t0) / passes / medians)
 
 
 def _measure(

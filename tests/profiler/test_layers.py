@@ -142,3 +142,15 @@ def test_per_sample_bytes_do_not_depend_on_the_batch():
     for a, b in zip(one.layers, eight.layers, strict=True):
         assert a.output_bytes == b.output_bytes
         assert math.isclose(a.activation_bytes, b.activation_bytes, rel_tol=0.05)
+
+
+def test_calibration_scales_medians_up_to_whole_passes_never_down():
+    from services.profiler.layers import _calibration
+
+    layers = [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)]
+    x = torch.randn(32, 64)
+    tiny = [[1e-9] for _ in layers]
+    assert _calibration(layers, x, tiny, [[1e-9] for _ in layers]) > 10
+    huge = [[10.0] for _ in layers]
+    assert _calibration(layers, x, huge, [[10.0] for _ in layers]) == 1.0
+    assert all(p.grad is None for layer in layers for p in layer.parameters())

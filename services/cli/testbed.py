@@ -1,0 +1,218 @@
+"""`asteroid testbed up|down|status`: emulated edge devices on this machine (root only).
+
+`up` builds a preset (Asteroid's Env A-D, Galaxy's D-F) or a testbed file and
+runs the services on it in the foreground until Ctrl-C, or until `--job`
+ends; `down` removes whatever crashed runs left (namespaces, links, cgroups,
+processes); `status` shows every testbed found. Exit codes:
+`common.exit_codes.ExitCode` (CONFIG when not root).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from common.errors import AsteroidError, ConfigError
+from common.exit_codes import ExitCode
+from common.job import JobSpec, load_job
+from common.messages import SubmitJob
+from common.store import Store
+from services.cli.client import ask_coordinator
+from services.cli.follow import follow
+from services.cli.jobs import view_exit_code
+from services.coordinator.checks import check_job
+from services.testbed.bed import Testbed, require_root
+from services.testbed.spec import PRESETS, TestbedSpec, load_testbed, preset
+from services.testbed.survey import cleanup_leftovers, status
+
+__all__ = ["app"]
+
+app = typer.Typer(
+    help="Emulated edge devices on this machine: namespaces, shaped links, cgroups (root).",
+    no_args_is_help=True,
+)
+console = Console()
+MiB = 1 << 20
+
+
+_STOP = threading.Event()
+"""Set by SIGINT/SIGTERM; loops check it since Python drops a KeyboardInterrupt raised in
+its at-fork handlers, i.e. a Ctrl-C that lands while a subprocess starts."""
+
+
+def _interrupt(signum: int, _: object) -> None:
+    _STOP.set()
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _foreground() -> Iterator[None]:
+    """SIGTERM acts as Ctrl-C (the testbed's exit removes everything); errors become exit codes."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        console.print("interrupted; the testbed is removed")
+        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(int(ExitCode.CONFIG)) from exc
+    except AsteroidError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(int(ExitCode.JOB_FAILED)) from exc
+
+
+def _spec(preset_name: str | None, file: Path | None, link: str) -> TestbedSpec:
+    if preset_name and file:
+        raise ConfigError("give --preset or --file, not both")
+    if file is not None:
+        return load_testbed(file)
+    return preset(preset_name or "env-a", link)
+
+
+def _job(path: Path, devices: int) -> JobSpec:
+    job = load_job(path)
+    check_job(job)
+    if job.min_workers > devices:
+        raise ConfigError(
+            f"min_workers: the job wants {job.min_workers}, the testbed has {devices}"
+        )
+    return job
+
+
+def _devices_table(tb: Testbed) -> Table:
+    table = Table(title=f"testbed {tb.spec.name} (tag {tb.tag})")
+    for col in ("device", "kind", "address", "cpu", "memory", "link"):
+        table.add_column(col)
+    for d in tb.spec.devices:
+        link = f"{d.bandwidth_bps / 1e6:g} Mbit/s"
+        if d.latency_ms and tb.netem:
+            link += f", {d.latency_ms:g} ms"
+        if d.loss_pct:
+            link += f", {d.loss_pct:g}% loss"
+        table.add_row(
+            d.name,
+            d.kind,
+            tb.address(d.name),
+            f"{d.cpu:g}",
+            f"{d.memory_bytes // MiB} MiB",
+            link,
+        )
+    return table
+
+
+Preset = Annotated[
+    str | None, typer.Option("--preset", help=f"Environment: {', '.join(PRESETS)} (default env-a).")
+]
+File = Annotated[Path | None, typer.Option("--file", help="A testbed YAML instead of a preset.")]
+Link = Annotated[str, typer.Option(help="Link rate of a preset's devices: 100mbit or 1gbit.")]
+Tag = Annotated[str | None, typer.Option(help="Short id in the names created (default: random).")]
+
+
+@app.command()
+def up(
+    preset_name: Preset = None,
+    file: File = None,
+    link: Link = "1gbit",
+    job: Annotated[Path | None, typer.Option(help="Also train this job (YAML).")] = None,
+    logs: Annotated[Path, typer.Option(help="Folder for each process's log.")] = Path(
+        "testbed-logs"
+    ),
+    tag: Tag = None,
+    threads: Annotated[int, typer.Option(min=1, help="Torch threads per worker.")] = 1,
+) -> None:
+    """Build the testbed and run the services on it until Ctrl-C (or until --job ends)."""
+    with _foreground():
+        require_root()
+        spec = _spec(preset_name, file, link)
+        job_spec = _job(job, len(spec.devices)) if job else None
+        console.print(f"starting {len(spec.devices)} devices and the services (logs in {logs}/)")
+        with Testbed(spec, logs, tag=tag, threads=threads, stop=_STOP) as tb:
+            tb.up(services=True)
+            console.print(_devices_table(tb))
+            console.print(
+                f"coordinator {tb.coordinator}, Redis {tb.redis_url}\n"
+                f"submit with: ASTEROID_COORDINATOR={tb.coordinator} "
+                f"ASTEROID_REDIS_URL={tb.redis_url} ASTEROID_CLUSTER={tb.cluster} "
+                "asteroid train JOB.yaml"
+            )
+            if job_spec is not None:
+                reply = ask_coordinator(tb.coordinator, SubmitJob(job=job_spec), timeout_s=60)
+                if not reply.ok:
+                    raise ConfigError(reply.error)
+                store = Store(tb.redis_url, tb.cluster)
+                try:
+                    view = follow(store, job_spec.job_id, console)
+                finally:
+                    store.close()
+                console.print(f"job {job_spec.job_id} {view.state} {view.error}")
+                raise typer.Exit(int(view_exit_code(view)))
+            while not _STOP.is_set():
+                tb.check()
+                time.sleep(0.5)
+            raise KeyboardInterrupt("stop requested")
+
+
+@app.command()
+def down(
+    tag: Annotated[
+        str, typer.Option(help="Only testbeds whose tag starts with this (default: all).")
+    ] = "",
+) -> None:
+    """Remove every testbed on this machine (crashed runs' leftovers), saying what went."""
+    with _foreground():
+        require_root()
+        removed = cleanup_leftovers(tag)
+        for line in removed:
+            console.print(f"removed {line}")
+        console.print("nothing to remove" if not removed else f"{len(removed)} removed")
+
+
+def _short(process: str) -> str:
+    """A process as pid and service name, so the table stays narrow (e.g. "1234 worker")."""
+    pid, _, cmd = process.partition(" ")
+    words = cmd.split()
+    if "-m" in words[:-1] and words[words.index("-m") + 1].startswith("services."):
+        return f"{pid} {words[words.index('-m') + 1].split('.')[1]}"
+    return f"{pid} {' '.join(Path(w).name if i == 0 else w for i, w in enumerate(words[:3]))}"
+
+
+@app.command("status")
+def status_cmd() -> None:
+    """Show every testbed: namespaces, links with their shaping, cgroups, processes."""
+    with _foreground():
+        require_root()
+        found = status()
+        if not found:
+            console.print("no testbed on this machine")
+        for tag, devices in found.items():
+            table = Table(title=f"testbed tag {tag}")
+            for col in ("device", "namespace / address", "up / down link", "cpu", "memory"):
+                table.add_column(col)
+            table.add_column("state")
+            table.add_column("processes")
+            for d in devices:
+                memory = "-" if d.memory_limit is None else f"{d.memory_limit // MiB} MiB"
+                memory += f", peak {d.peak_memory // MiB} MiB"
+                if d.oom_kills:
+                    memory += f", [red]{d.oom_kills} OOM kills[/red]"
+                table.add_row(
+                    d.name,
+                    f"{d.netns or '-'}\n{d.address or '-'}",
+                    f"{d.uplink or '-'}\n{d.downlink or '-'}",
+                    "-" if d.cpu is None else f"{d.cpu:g}",
+                    memory,
+                    "frozen" if d.frozen else "running",
+                    "\n".join(_short(p) for p in d.processes) or "-",
+                )
+            console.print(table)

@@ -64,12 +64,17 @@ class Heartbeat(_Msg):
     type: Literal["heartbeat"] = "heartbeat"
     device: DeviceId
     data_addr: str
-    memory_budget: int = 0
+    memory_budget: int = Field(0, ge=0, description="Bytes left for training (0: unknown).")
     fingerprint: str = Field("", description="Device fingerprint its profiles are keyed by.")
     threads: int = 1
     host: str = Field("", description="Machine name; workers sharing one share its cores.")
     cores: int = Field(0, ge=0, description="Cores this worker's process may use.")
     cpu_quota: float = Field(0.0, ge=0, description="Its cgroup CPU quota in cores (0: none).")
+    memory_configured: int = Field(
+        0,
+        ge=0,
+        description="The --memory-budget it was started with (0: none); in its fingerprint.",
+    )
     pid: int = 0
     epoch: int = 0
     stage: int = -1

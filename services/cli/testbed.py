@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
-from common.job import JobSpec, load_job
+from common.job import JobSpec, load_job, validation_message
 from common.messages import SubmitJob
 from common.store import Store
 from services.cli.client import ask_coordinator
@@ -72,12 +73,16 @@ def _foreground() -> Iterator[None]:
         raise typer.Exit(int(ExitCode.JOB_FAILED)) from exc
 
 
-def _spec(preset_name: str | None, file: Path | None, link: str) -> TestbedSpec:
+def _spec(preset_name: str | None, file: Path | None, link: str, subnet: str | None) -> TestbedSpec:
     if preset_name and file:
         raise ConfigError("give --preset or --file, not both")
-    if file is not None:
-        return load_testbed(file)
-    return preset(preset_name or "env-a", link)
+    spec = load_testbed(file) if file is not None else preset(preset_name or "env-a", link)
+    if subnet is None:
+        return spec
+    try:
+        return TestbedSpec.model_validate({**spec.model_dump(), "subnet": subnet})
+    except ValidationError as exc:
+        raise ConfigError(f"--subnet: {validation_message(exc)}") from None
 
 
 def _job(path: Path, devices: int) -> JobSpec:
@@ -117,6 +122,10 @@ Preset = Annotated[
 File = Annotated[Path | None, typer.Option("--file", help="A testbed YAML instead of a preset.")]
 Link = Annotated[str, typer.Option(help="Link rate of a preset's devices: 100mbit or 1gbit.")]
 Tag = Annotated[str | None, typer.Option(help="Short id in the names created (default: random).")]
+Subnet = Annotated[
+    str | None,
+    typer.Option(help="Private subnet instead of the testbed's (two testbeds need two)."),
+]
 
 
 @app.command()
@@ -129,12 +138,13 @@ def up(
         "testbed-logs"
     ),
     tag: Tag = None,
+    subnet: Subnet = None,
     threads: Annotated[int, typer.Option(min=1, help="Torch threads per worker.")] = 1,
 ) -> None:
     """Build the testbed and run the services on it until Ctrl-C (or until --job ends)."""
     with _foreground():
         require_root()
-        spec = _spec(preset_name, file, link)
+        spec = _spec(preset_name, file, link, subnet)
         job_spec = _job(job, len(spec.devices)) if job else None
         console.print(f"starting {len(spec.devices)} devices and the services (logs in {logs}/)")
         with Testbed(spec, logs, tag=tag, threads=threads, stop=_STOP) as tb:

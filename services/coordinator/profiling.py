@@ -83,7 +83,7 @@ def profile_workers(
                     model=job.model,
                     fingerprint=hb.fingerprint,
                     threads=hb.threads,
-                    memory_budget=hb.memory_budget,
+                    memory_budget=hb.memory_configured,
                     batch_sizes=sizes,
                     optimizer=job.optimizer.kind,
                 )

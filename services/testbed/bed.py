@@ -206,7 +206,7 @@ class Testbed:
         if clash:
             raise ConfigError(
                 f"subnet {self.spec.subnet} is already in use here ({'; '.join(clash)}): pick "
-                "another subnet, or remove a testbed left running with `asteroid testbed down`"
+                "another (--subnet), or remove a testbed left behind with `asteroid testbed down`"
             )
         for warning in self.spec.warnings():
             log.warning("testbed", warning=warning)

@@ -14,12 +14,13 @@ kinds and their mixes) into devices this machine can host:
   Nano 0.13; Env D TX2 0.5, Nano 0.177; Galaxy-D/E Nano 0.5, @75% 0.375,
   @50% 0.25; Galaxy-F 0.492, 0.369, 0.246.
 - Memory: the kind's memory times `MEMORY_SCALE` = 1/8 (Nano 4 GiB -> 512 MiB,
-  TX2 and Xavier NX 8 GiB -> 1 GiB), never below `MEMORY_FLOOR` = 384 MiB. An
-  idle worker (Python, torch, ZeroMQ) is charged about 240 MiB by its memory
-  cgroup here and training small_cnn at batch 8 about 265 MiB; mobilenet_v2
-  whole at batch 8 with Adam peaks near 470 MiB, so it trains on one
-  TX2/NX-sized device and, split by the planner, across Nano-sized ones. 1/16
-  would leave a Nano 256 MiB, less than a worker needs to start.
+  TX2 and Xavier NX 8 GiB -> 1 GiB), never below `MEMORY_FLOOR` = 384 MiB.
+  Measured in a memory cgroup (torch 2.13, x86-64, one thread): an idle worker
+  (Python, torch, ZeroMQ) is charged about 240 MiB, training small_cnn at batch
+  8 about 265 MiB, mobilenet_v2 whole at batch 8 with Adam about 470 MiB. So
+  mobilenet_v2 trains on one TX2/NX-sized device and, split by the planner,
+  across Nano-sized ones; 1/16 would leave a Nano 256 MiB, less than a worker
+  needs to start.
 - Link: every device's link runs at the preset's rate (Asteroid evaluates at
   100 Mbps and 1 Gbps, `common.presets.LINK_SPEEDS_BPS`) with 0.5 ms latency
   each way, a switched LAN's order of magnitude.

@@ -116,6 +116,7 @@ class Worker:
             host=socket.gethostname(),
             cores=visible_cores(),
             cpu_quota=cpu_quota() or 0.0,
+            memory_configured=self.settings.memory_budget,
             pid=os.getpid(),
             epoch=r.epoch if r else 0,
             stage=r.p if r else -1,

@@ -99,11 +99,11 @@ def run_job(bed: Testbed, store: Store, job: JobSpec, timeout_s: float) -> Row:
     killed = [dev for dev in bed.devices if bed.oom_kills(dev) > kills[dev]]
     if killed:
         limits = ", ".join(
-            f"{d} (limit {bed.device(d).memory_bytes / MiB:.0f} MiB)" for d in killed
+            f"{d} (limit {bed.spec.device(d).memory_bytes / MiB:.0f} MiB)" for d in killed
         )
         row.note = f"out of memory: the kernel killed the worker on {limits}"
         for dev in killed:
-            bed.restart(dev)
+            bed.start_worker(dev)
     elif view.state != "finished":
         row.note = view.error
     plan = store.get_json("plan", job.job_id)

@@ -34,6 +34,9 @@ def test_up_refuses_a_bad_testbed_file_before_creating_anything(monkeypatch, tmp
     assert "unknown testbed preset" in res.output
     res = CliRunner().invoke(app, ["testbed", "up", "--preset", "env-a", "--file", str(bad)])
     assert res.exit_code == ExitCode.CONFIG
+    res = CliRunner().invoke(app, ["testbed", "up", "--subnet", "8.8.8.0/24"])
+    assert res.exit_code == ExitCode.CONFIG
+    assert "--subnet" in res.output and "private" in res.output
 
 
 @pytest.mark.integration

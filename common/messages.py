@@ -103,10 +103,9 @@ class StageTimings(_Msg):
     total_s: float = 0.0
 
 
-class RoundDone(_Msg):
-    """A worker finished a round: gradients reduced and the optimizer stepped."""
+class _StageOutcome(_Msg):
+    """What a stage replica did with its samples; the last stage adds loss and hits."""
 
-    type: Literal["round_done"] = "round_done"
     device: DeviceId
     epoch: int
     round: int
@@ -114,24 +113,23 @@ class RoundDone(_Msg):
     samples: int
     loss_sum: float = 0.0
     correct: int = 0
+
+
+class RoundDone(_StageOutcome):
+    """A worker finished a round: gradients reduced and the optimizer stepped."""
+
+    type: Literal["round_done"] = "round_done"
     max_alive: int = 0
     timings: StageTimings = StageTimings()
 
 
-class EvalDone(_Msg):
-    """A worker ran its part of the held-out evaluation after round `round`.
+class EvalDone(_StageOutcome):
+    """A worker ran its part of the held-out evaluation of the weights of round `round`.
 
-    Only the last stage's devices report a loss and correct predictions.
+    `loss_sum` is per-sample cross-entropy summed (not averaged) over `samples`.
     """
 
     type: Literal["eval_done"] = "eval_done"
-    device: DeviceId
-    epoch: int
-    round: int
-    stage: int
-    samples: int
-    loss_sum: float = 0.0
-    correct: int = 0
 
 
 class CheckpointSaved(_Msg):
@@ -303,35 +301,34 @@ class PlanReply(_Msg):
 # --- data plane: worker -> worker -------------------------------------------
 
 
-class Activation(_Msg):
+class _SampleRange(_Msg):
+    """Samples [lo, hi) of micro-batch `mb` of a round, addressed to `stage`."""
+
+    epoch: int
+    round: int
+    mb: int
+    stage: int
+    lo: int
+    hi: int
+
+
+class Activation(_SampleRange):
     """Outputs of stage-1 for samples [lo, hi) of micro-batch `mb`, input of `stage`.
 
     Frames: the activation tensor, then the labels of the same samples.
     """
 
     type: Literal["activation"] = "activation"
-    epoch: int
-    round: int
-    mb: int
-    stage: int
-    lo: int
-    hi: int
     phase: Literal["train", "eval"] = "train"
 
 
-class Gradient(_Msg):
+class Gradient(_SampleRange):
     """Loss gradient w.r.t. the outputs of `stage` for samples [lo, hi) of `mb`.
 
     Frames: one gradient tensor.
     """
 
     type: Literal["gradient"] = "gradient"
-    epoch: int
-    round: int
-    mb: int
-    stage: int
-    lo: int
-    hi: int
 
 
 class ReduceChunk(_Msg):

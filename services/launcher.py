@@ -19,11 +19,26 @@ from common.embedded_redis import EmbeddedRedis
 from common.errors import AsteroidError
 from common.procs import spawn, stop_all
 
-__all__ = ["LocalStack", "ServiceDied"]
+__all__ = ["LocalStack", "ServiceDied", "service_env"]
 
 
 class ServiceDied(AsteroidError):
     """A service of the local stack exited on its own; the message has its log's tail."""
+
+
+def service_env(
+    redis_url: str, cluster: str, coordinator: str, heartbeat_s: float, threads: int
+) -> dict[str, str]:
+    """The caller's environment plus what every service of a local cluster is told."""
+    return {
+        **os.environ,
+        "ASTEROID_REDIS_URL": redis_url,
+        "ASTEROID_CLUSTER": cluster,
+        "ASTEROID_COORDINATOR": coordinator,
+        "ASTEROID_HEARTBEAT_S": str(heartbeat_s),
+        "ASTEROID_LOG_FORMAT": "json",
+        "OMP_NUM_THREADS": str(threads),
+    }
 
 
 def _free_port() -> int:
@@ -67,15 +82,9 @@ class LocalStack:
 
     def env(self) -> dict[str, str]:
         """The environment every service of the stack gets."""
-        return {
-            **os.environ,
-            "ASTEROID_REDIS_URL": self.redis_url,
-            "ASTEROID_CLUSTER": self.cluster,
-            "ASTEROID_COORDINATOR": self.coordinator,
-            "ASTEROID_HEARTBEAT_S": str(self.heartbeat_s),
-            "ASTEROID_LOG_FORMAT": "json",
-            "OMP_NUM_THREADS": str(self.threads),
-        }
+        return service_env(
+            self.redis_url, self.cluster, self.coordinator, self.heartbeat_s, self.threads
+        )
 
     def start(self) -> LocalStack:
         """Start everything (Redis first, workers last); returns self."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -20,10 +21,15 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from common.errors import ConfigError
+from common.job import JobSpec, load_job
+from common.messages import SubmitJob
 from common.store import Store
+from services.cli.client import ask_coordinator
+from services.coordinator.checks import check_job
 from services.coordinator.lifecycle import TERMINAL
 
-__all__ = ["JobView", "follow"]
+__all__ = ["JobView", "follow", "load_checked", "submit_and_follow"]
 
 
 @dataclass
@@ -101,3 +107,26 @@ def _detail(event: dict[str, Any]) -> str:
     if event["event"] == "planning":
         return f" with {event.get('planner', '?')}"
     return f" ({event.get('total_rounds', '?')} rounds)"
+
+
+def load_checked(path: Path, workers: int) -> JobSpec:
+    """The job at `path`, checked as the coordinator will, for a cluster of `workers`."""
+    job = load_job(path)
+    check_job(job)
+    if job.min_workers > workers:
+        raise ConfigError(f"min_workers: the job wants {job.min_workers}, there are {workers}")
+    return job
+
+
+def submit_and_follow(
+    coordinator: str, redis_url: str, cluster: str, job: JobSpec, console: Console
+) -> JobView:
+    """Submit `job` (the coordinator may still be starting) and follow it to its end."""
+    reply = ask_coordinator(coordinator, SubmitJob(job=job), timeout_s=60)
+    if not reply.ok:
+        raise ConfigError(reply.error)
+    store = Store(redis_url, cluster)
+    try:
+        return follow(store, job.job_id, console)
+    finally:
+        store.close()

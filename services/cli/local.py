@@ -9,75 +9,27 @@ way every child process is stopped on the way out.
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from common.errors import AsteroidError, ConfigError
-from common.exit_codes import ExitCode
 from common.export import export_weights
-from common.job import JobSpec, load_job
-from common.messages import SubmitJob
+from common.job import JobSpec
 from common.store import Store
-from services.cli.client import ask_coordinator
-from services.cli.follow import JobView, follow
+from services.cli.follow import load_checked, submit_and_follow
+from services.cli.foreground import STOP, foreground
 from services.cli.jobs import view_exit_code
 from services.cli.plan import plan_table
 from services.cli.report import job_report, stage_table, summary_table
-from services.coordinator.checks import check_job
 from services.launcher import LocalStack
 
 __all__ = ["DEMO_JOB", "demo", "up"]
 
 console = Console()
 DEMO_JOB = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "job-demo.yaml"
-
-
-def _interrupt(signum: int, _: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-@contextlib.contextmanager
-def _foreground(what: str) -> Iterator[None]:
-    """SIGTERM acts as Ctrl-C (the stack's exit stops every child); errors become exit codes."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        yield
-    except KeyboardInterrupt:
-        console.print(f"interrupted; every process of the {what} is stopped")
-        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(int(ExitCode.CONFIG)) from exc
-    except AsteroidError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(int(ExitCode.JOB_FAILED)) from exc
-
-
-def _run_job(stack: LocalStack, job: JobSpec) -> JobView:
-    """Submit `job` to the stack's coordinator and follow it to its end."""
-    reply = ask_coordinator(stack.coordinator, SubmitJob(job=job), timeout_s=60)
-    if not reply.ok:
-        raise ConfigError(reply.error)
-    store = Store(stack.redis_url, stack.cluster)
-    try:
-        return follow(store, job.job_id, console)
-    finally:
-        store.close()
-
-
-def _load(job_file: Path, workers: int) -> JobSpec:
-    job = load_job(job_file)
-    check_job(job)
-    if job.min_workers > workers:
-        raise ConfigError(f"min_workers: the job wants {job.min_workers}, --workers is {workers}")
-    return job
 
 
 Workers = Annotated[int, typer.Option(min=1, max=16, help="Worker processes to start.")]
@@ -98,8 +50,8 @@ def up(
     cluster: Cluster = "local",
 ) -> None:
     """Run a whole local cluster in the foreground until Ctrl-C (or until --job ends)."""
-    with _foreground("cluster"):
-        spec = _load(job, workers) if job else None
+    with foreground(console, "interrupted; every process of the cluster is stopped"):
+        spec = load_checked(job, workers) if job else None
         with LocalStack(workers, logs, redis_url, cluster, threads) as stack:
             console.print(
                 f"cluster up: coordinator {stack.coordinator}, Redis {stack.redis_url}, "
@@ -109,10 +61,12 @@ def up(
                 "asteroid train JOB.yaml"
             )
             if spec is not None:
-                view = _run_job(stack, spec)
+                view = submit_and_follow(
+                    stack.coordinator, stack.redis_url, stack.cluster, spec, console
+                )
                 console.print(f"job {spec.job_id} {view.state} {view.error}")
                 raise typer.Exit(int(view_exit_code(view)))
-            while True:
+            while not STOP.is_set():
                 stack.check()
                 time.sleep(0.5)
 
@@ -129,14 +83,16 @@ def demo(
 ) -> None:
     """The quick start: a local cluster trains the example job, reports, and stops."""
     t0 = time.monotonic()
-    with _foreground("demo"):
-        spec = _load(job, workers)
+    with foreground(console, "interrupted; every process of the demo is stopped"):
+        spec = load_checked(job, workers)
         with LocalStack(workers, out / "logs", redis_url, cluster, threads) as stack:
             console.print(
                 f"[bold]Asteroid-Edge demo[/bold]: Redis, coordinator, planner, profiler and "
                 f"{workers} workers as separate processes (logs in {out}/logs)"
             )
-            view = _run_job(stack, spec)
+            view = submit_and_follow(
+                stack.coordinator, stack.redis_url, stack.cluster, spec, console
+            )
             if view.state != "finished":
                 console.print(f"[red]job {view.state}[/red]: {view.error}")
                 raise typer.Exit(int(view_exit_code(view)))

@@ -9,11 +9,7 @@ processes); `status` shows every testbed found. Exit codes:
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -22,15 +18,11 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from common.errors import AsteroidError, ConfigError
-from common.exit_codes import ExitCode
-from common.job import JobSpec, load_job, validation_message
-from common.messages import SubmitJob
-from common.store import Store
-from services.cli.client import ask_coordinator
-from services.cli.follow import follow
+from common.errors import ConfigError
+from common.job import validation_message
+from services.cli.follow import load_checked, submit_and_follow
+from services.cli.foreground import STOP, foreground
 from services.cli.jobs import view_exit_code
-from services.coordinator.checks import check_job
 from services.testbed.bed import Testbed, require_root
 from services.testbed.spec import PRESETS, TestbedSpec, load_testbed, preset
 from services.testbed.survey import cleanup_leftovers, status
@@ -45,34 +37,6 @@ console = Console()
 MiB = 1 << 20
 
 
-_STOP = threading.Event()
-"""Set by SIGINT/SIGTERM; loops check it since Python drops a KeyboardInterrupt raised in
-its at-fork handlers, i.e. a Ctrl-C that lands while a subprocess starts."""
-
-
-def _interrupt(signum: int, _: object) -> None:
-    _STOP.set()
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-@contextlib.contextmanager
-def _foreground() -> Iterator[None]:
-    """SIGTERM acts as Ctrl-C (the testbed's exit removes everything); errors become exit codes."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    try:
-        yield
-    except KeyboardInterrupt:
-        console.print("interrupted; the testbed is removed")
-        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(int(ExitCode.CONFIG)) from exc
-    except AsteroidError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(int(ExitCode.JOB_FAILED)) from exc
-
-
 def _spec(preset_name: str | None, file: Path | None, link: str, subnet: str | None) -> TestbedSpec:
     if preset_name and file:
         raise ConfigError("give --preset or --file, not both")
@@ -83,16 +47,6 @@ def _spec(preset_name: str | None, file: Path | None, link: str, subnet: str | N
         return TestbedSpec.model_validate({**spec.model_dump(), "subnet": subnet})
     except ValidationError as exc:
         raise ConfigError(f"--subnet: {validation_message(exc)}") from None
-
-
-def _job(path: Path, devices: int) -> JobSpec:
-    job = load_job(path)
-    check_job(job)
-    if job.min_workers > devices:
-        raise ConfigError(
-            f"min_workers: the job wants {job.min_workers}, the testbed has {devices}"
-        )
-    return job
 
 
 def _devices_table(tb: Testbed) -> Table:
@@ -142,12 +96,12 @@ def up(
     threads: Annotated[int, typer.Option(min=1, help="Torch threads per worker.")] = 1,
 ) -> None:
     """Build the testbed and run the services on it until Ctrl-C (or until --job ends)."""
-    with _foreground():
+    with foreground(console, "interrupted; the testbed is removed"):
         require_root()
         spec = _spec(preset_name, file, link, subnet)
-        job_spec = _job(job, len(spec.devices)) if job else None
+        job_spec = load_checked(job, len(spec.devices)) if job else None
         console.print(f"starting {len(spec.devices)} devices and the services (logs in {logs}/)")
-        with Testbed(spec, logs, tag=tag, threads=threads, stop=_STOP) as tb:
+        with Testbed(spec, logs, tag=tag, threads=threads, stop=STOP) as tb:
             tb.up(services=True)
             console.print(_devices_table(tb))
             console.print(
@@ -157,17 +111,12 @@ def up(
                 "asteroid train JOB.yaml"
             )
             if job_spec is not None:
-                reply = ask_coordinator(tb.coordinator, SubmitJob(job=job_spec), timeout_s=60)
-                if not reply.ok:
-                    raise ConfigError(reply.error)
-                store = Store(tb.redis_url, tb.cluster)
-                try:
-                    view = follow(store, job_spec.job_id, console)
-                finally:
-                    store.close()
+                view = submit_and_follow(
+                    tb.coordinator, tb.redis_url, tb.cluster, job_spec, console
+                )
                 console.print(f"job {job_spec.job_id} {view.state} {view.error}")
                 raise typer.Exit(int(view_exit_code(view)))
-            while not _STOP.is_set():
+            while not STOP.is_set():
                 tb.check()
                 time.sleep(0.5)
             raise KeyboardInterrupt("stop requested")
@@ -180,7 +129,7 @@ def down(
     ] = "",
 ) -> None:
     """Remove every testbed on this machine (crashed runs' leftovers), saying what went."""
-    with _foreground():
+    with foreground(console, "interrupted; the testbed is removed"):
         require_root()
         removed = cleanup_leftovers(tag)
         for line in removed:
@@ -200,7 +149,7 @@ def _short(process: str) -> str:
 @app.command("status")
 def status_cmd() -> None:
     """Show every testbed: namespaces, links with their shaping, cgroups, processes."""
-    with _foreground():
+    with foreground(console, "interrupted; the testbed is removed"):
         require_root()
         found = status()
         if not found:

@@ -36,7 +36,7 @@ from common.embedded_redis import EmbeddedRedis
 from common.errors import AsteroidError, ConfigError
 from common.logging import get_logger
 from common.procs import spawn, stop_all
-from services.launcher import ServiceDied
+from services.launcher import ServiceDied, service_env
 from services.testbed import net
 from services.testbed.cgroups import DeviceCgroup
 from services.testbed.spec import TestbedSpec, cluster_spec
@@ -246,15 +246,9 @@ class Testbed:
 
     def env(self) -> dict[str, str]:
         """The environment every service of the testbed gets."""
-        return {
-            **os.environ,
-            "ASTEROID_REDIS_URL": self.redis_url,
-            "ASTEROID_CLUSTER": self.cluster,
-            "ASTEROID_COORDINATOR": self.coordinator,
-            "ASTEROID_HEARTBEAT_S": str(self.heartbeat_s),
-            "ASTEROID_LOG_FORMAT": "json",
-            "OMP_NUM_THREADS": str(self.threads),
-        }
+        return service_env(
+            self.redis_url, self.cluster, self.coordinator, self.heartbeat_s, self.threads
+        )
 
     def start_services(self) -> None:
         """Redis, coordinator and planner on the host side; a worker and a profiler per device."""

@@ -72,9 +72,12 @@ class LocalCluster:
         self.procs[name] = proc
         return proc
 
-    def start_workers(self, names: list[str]) -> None:
+    def start_workers(self, names: list[str], faults: dict[str, list[str]] | None = None) -> None:
+        """Start one worker per name; `faults` maps a name to `tests.faulty_worker` flags."""
+        faults = faults or {}
         for name in names:
-            self._spawn(name, ["-m", "services.worker.main", "--device", name])
+            module = "tests.faulty_worker" if name in faults else "services.worker.main"
+            self._spawn(name, ["-m", module, *faults.get(name, []), "--device", name])
 
     def write(self, name: str, data: Any) -> Path:
         path = self.tmp / name

@@ -116,10 +116,17 @@ class _StageOutcome(_Msg):
 
 
 class RoundDone(_StageOutcome):
-    """A worker finished a round: gradients reduced and the optimizer stepped."""
+    """A worker finished a round: gradients reduced and the optimizer stepped.
+
+    `peak_bytes` is the most the worker held at once for the round (tensors in
+    its task pool plus activations saved for backward); `peak_saved_bytes` is
+    the saved activations' own peak, which the schedule bounds by K_p micro-batches.
+    """
 
     type: Literal["round_done"] = "round_done"
     max_alive: int = 0
+    peak_bytes: int = Field(0, ge=0)
+    peak_saved_bytes: int = Field(0, ge=0)
     timings: StageTimings = StageTimings()
 
 
@@ -133,13 +140,19 @@ class EvalDone(_StageOutcome):
 
 
 class CheckpointSaved(_Msg):
-    """A stage leader wrote its layers of checkpoint `round` to the store."""
+    """A device's part of checkpoint `round`: the layers it wrote and its state's digest.
+
+    The stage leader writes the layers (the others list none); every replica
+    sends the SHA-256 of its stage's state so the coordinator can compare them.
+    """
 
     type: Literal["checkpoint_saved"] = "checkpoint_saved"
     device: DeviceId
     epoch: int
     round: int
     layers: list[int]
+    stage: int = Field(ge=0)
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
 class WorkerError(_Msg):

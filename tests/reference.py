@@ -2,19 +2,73 @@
 
 It reads the same job data (`open_data`) and applies the same learning-rate
 schedule (`learning_rate`) as the workers, but builds its own optimizer and
-runs the whole model on whole global batches.
+runs the whole model on whole global batches. `assert_matches_reference` and
+`assert_losses_match` are the one comparison every equivalence test makes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from common.job import JobSpec, learning_rate
+from common.job import JobSpec, OptimizerSpec, learning_rate
 from common.job_data import open_data
 from common.zoo import build_model
+
+WEIGHT_TOLERANCE = 1e-6
+"""Max-abs weight difference allowed: float32 round-off of a reordered sum is ~3e-8, while
+one stage ignoring weight decay moves weights by 4e-6 to 1e-5 (`test_mutation`)."""
+LOSS_TOLERANCE = 1e-6
+"""Max-abs difference allowed per round loss (a loss of ~2.3 has float32 ulps of ~2e-7)."""
+
+
+def weight_difference(
+    weights: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]
+) -> tuple[str, float]:
+    """The key whose tensors differ most (max-abs, in float64) and that difference."""
+    if weights.keys() != ref.keys():
+        missing, extra = sorted(ref.keys() - weights.keys()), sorted(weights.keys() - ref.keys())
+        raise AssertionError(f"keys differ from the reference: missing {missing}, extra {extra}")
+    worst, key = -1.0, ""
+    for k, r in ref.items():
+        w = weights[k]
+        if w.shape != r.shape:
+            raise AssertionError(f"{k}: shape {tuple(w.shape)}, reference {tuple(r.shape)}")
+        diff = float((w.double() - r.double()).abs().max()) if r.numel() else 0.0
+        if not diff <= worst:  # NaN counts as the worst
+            worst, key = diff, k
+    return key, worst
+
+
+def assert_matches_reference(
+    weights: Mapping[str, torch.Tensor],
+    ref: Mapping[str, torch.Tensor],
+    tol: float = WEIGHT_TOLERANCE,
+    what: str = "weights",
+) -> None:
+    """Fail naming the worst key and its difference when any tensor differs by more than `tol`."""
+    key, diff = weight_difference(weights, ref)
+    if not diff <= tol:
+        raise AssertionError(
+            f"{what}: {key} differs from the reference by {diff:.3g} (max-abs), allowed {tol:g}"
+        )
+
+
+def assert_losses_match(
+    losses: Sequence[float], ref: Sequence[float], tol: float = LOSS_TOLERANCE
+) -> None:
+    """Fail naming the first round whose loss differs from the reference's by more than `tol`."""
+    if len(losses) != len(ref):
+        raise AssertionError(f"{len(losses)} round losses, the reference has {len(ref)}")
+    for r, (got, want) in enumerate(zip(losses, ref, strict=True)):
+        if not abs(got - want) <= tol:
+            raise AssertionError(
+                f"loss of round {r}: {got!r}, reference {want!r} "
+                f"(difference {abs(got - want):.3g}, allowed {tol:g})"
+            )
 
 
 def reference_job(
@@ -29,6 +83,19 @@ def reference_job(
     if dataset is not None:
         spec["dataset"] = dataset
     return JobSpec.model_validate(spec)
+
+
+def reference_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
+    """The job's optimizer built here, not by the worker code under test."""
+    if spec.kind == "sgd":
+        return torch.optim.SGD(
+            params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
+        )
+    if spec.kind == "adam":
+        return torch.optim.Adam(
+            params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay
+        )
+    return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
 
 
 def reference_train(
@@ -51,18 +118,7 @@ def reference_train(
     net = zoo.full().train()
     data = open_data(job, zoo)
     spec = job.optimizer
-    if spec.kind == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(
-            net.parameters(), lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
-        )
-    elif spec.kind == "adam":
-        opt = torch.optim.Adam(
-            net.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay
-        )
-    else:
-        opt = torch.optim.AdamW(
-            net.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay
-        )
+    opt = reference_optimizer(list(net.parameters()), spec)
     losses = []
     for r in range(rounds):
         x, y = data.train_batch(r * global_batch, global_batch)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from common.checkpoint import commit_checkpoint, latest_round, save_stage
-from common.errors import AsteroidError, ConfigError
+from common.checkpoint import check_replicas, commit_checkpoint, latest_round, save_stage
+from common.errors import AsteroidError, CheckpointError, ConfigError
 from common.ids import DeviceId
 from common.job import JobSpec
 from common.job_data import eval_size
@@ -63,6 +63,8 @@ class JobSummary:
     accuracies: list[float] = field(default_factory=list)
     round_s: list[float] = field(default_factory=list)
     max_alive: dict[str, int] = field(default_factory=dict)
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+    """Per device, the most bytes it held at once in a round: task pool plus kept activations."""
     checkpoints: list[int] = field(default_factory=list)
     evals: list[tuple[int, float, float]] = field(default_factory=list)
     """(round, held-out loss, held-out accuracy) after each evaluation."""
@@ -149,8 +151,6 @@ class JobRun:
             start = 0
             save_stage(self.store, jid, 0, model, None, 0)
             commit_checkpoint(self.store, jid, 0, len(model))
-        elif start >= self.total:
-            raise JobFailed(f"job {jid} already has a checkpoint of round {start} >= {self.total}")
         epoch = self._assign_all(plan, start)
         self.record("running", epoch=epoch, round=start, total_rounds=self.total)
         summary = JobSummary(job_id=jid, rounds=self.total)
@@ -211,6 +211,7 @@ class JobRun:
         summary.round_s.append(elapsed)
         for d, msg in done.items():
             summary.max_alive[d] = max(summary.max_alive.get(d, 0), msg.max_alive)
+            summary.peak_bytes[d] = max(summary.peak_bytes.get(d, 0), msg.peak_bytes)
 
     def _commit_round(
         self,
@@ -245,7 +246,13 @@ class JobRun:
                 "round_s": elapsed,
                 "samples_per_s": rate,
                 "devices": {
-                    d: {"stage": m.stage, "max_alive": m.max_alive, **m.timings.model_dump()}
+                    d: {
+                        "stage": m.stage,
+                        "max_alive": m.max_alive,
+                        "peak_bytes": m.peak_bytes,
+                        "peak_saved_bytes": m.peak_saved_bytes,
+                        **m.timings.model_dump(),
+                    }
                     for d, m in done.items()
                 },
             },
@@ -283,11 +290,23 @@ class JobRun:
         log.info("evaluated", round=round_no, eval_loss=round(loss, 4), eval_accuracy=round(acc, 3))
 
     def _checkpoint(self, plan: Plan, epoch: int, round_no: int, layers: int) -> None:
-        """Have each stage's leader write its layers, then commit checkpoint `round_no`."""
+        """Have every device save its part, check that replicas agree, commit `round_no`.
+
+        Leaders write the layers; every device sends its state's digest, so a
+        replica that drifted from its leader fails the job instead of hiding.
+        """
         coord = self.coord
-        leaders = [st.devices[0].device for st in plan.stages]
-        for d in leaders:
+        for d in plan.devices:
             coord.send(d, SaveCheckpoint(epoch=epoch, round=round_no))
-        coord.gather(CheckpointSaved, leaders, epoch, round_no, coord.settings.round_timeout_s)
-        commit_checkpoint(self.store, self.jid, round_no, layers)
+        saved = coord.gather(
+            CheckpointSaved, plan.devices, epoch, round_no, coord.settings.round_timeout_s
+        )
+        digests = [
+            {str(a.device): saved[a.device].digest for a in st.devices} for st in plan.stages
+        ]
+        try:
+            check_replicas(round_no, digests)
+        except CheckpointError as exc:
+            raise JobFailed(str(exc)) from exc
+        commit_checkpoint(self.store, self.jid, round_no, layers, digests)
         self.store.append("events", self.jid, {"event": "checkpoint", "round": round_no})

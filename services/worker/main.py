@@ -161,10 +161,15 @@ class Worker:
                 self._run_eval(msg)
             elif isinstance(msg, SaveCheckpoint):
                 runner = self._current(msg.epoch)
-                layers = runner.save(msg.round)
+                layers, digest = runner.save(msg.round)
                 self.control.send(
                     CheckpointSaved(
-                        device=self.device, epoch=msg.epoch, round=msg.round, layers=layers
+                        device=self.device,
+                        epoch=msg.epoch,
+                        round=msg.round,
+                        layers=layers,
+                        stage=runner.p,
+                        digest=digest,
                     )
                 )
             elif isinstance(msg, Shutdown):
@@ -231,6 +236,8 @@ class Worker:
                 loss_sum=res.loss_sum,
                 correct=res.correct,
                 max_alive=res.max_alive,
+                peak_bytes=res.peak_bytes,
+                peak_saved_bytes=res.peak_saved_bytes,
                 timings=res.stage_timings(),
             )
         )

@@ -9,13 +9,18 @@ Held-out evaluation parts (activations with phase "eval") live under their own
 kind "E", keyed by the round whose weights they evaluate, so they can never
 complete a training task. An evaluation of round R's weights is over once a
 later evaluation begins or training round R starts (that changes the weights).
+
+The pool is also the worker's ledger of what it holds for a round: the bytes
+of the tensors resident in it plus what the stage runner reports its forwards
+keep for backwards that have not run (saved activations). Both change under
+the pool's lock, so the per-round peak sees every arrival, even between tasks.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -27,6 +32,21 @@ from common.messages import Activation, Gradient, ReduceChunk
 __all__ = ["Part", "TaskPool"]
 
 T = TypeVar("T")
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`: what keeping them costs.
+
+    A view costs its whole storage, and two views of one storage cost it once.
+    """
+    seen: dict[int, int] = {}
+    for t in tensors:
+        try:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # no plain storage (e.g. sparse)
+            seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 @dataclass
@@ -49,6 +69,7 @@ def _kind(msg: Activation | Gradient) -> str:
 class _Slot:
     parts: dict[int, Part] = field(default_factory=dict)
     covered: int = 0
+    nbytes: int = 0
 
 
 class TaskPool:
@@ -69,6 +90,9 @@ class TaskPool:
         self._chunks: dict[tuple[int, int, int], torch.Tensor] = {}
         self.dropped = 0
         self.aborted: str | None = None
+        self.saved_bytes = 0
+        self.peak_bytes = 0
+        self.peak_saved_bytes = 0
 
     def abort(self, reason: str) -> None:
         """Make the current and next waits fail at once (until the next reset)."""
@@ -89,17 +113,22 @@ class TaskPool:
             self.aborted = None
             self._slots.clear()
             self._chunks.clear()
+            self.saved_bytes = 0
+            self._new_peak()
 
     def begin_round(self, round_no: int) -> None:
         """Drop everything of rounds before `round_no`; later parts are kept.
 
         Evaluation parts of round `round_no`'s weights go too: training it
-        changes them, so that evaluation is over.
+        changes them, so that evaluation is over. The peak restarts from what
+        is held now; the saved activations of an earlier round went with it.
         """
         with self.cond:
             self.round = round_no
             self._slots = {k: v for k, v in self._slots.items() if not self._done(*k[:2])}
             self._chunks = {k: v for k, v in self._chunks.items() if k[0] >= round_no}
+            self.saved_bytes = 0
+            self._new_peak()
 
     def begin_eval(self, round_no: int) -> None:
         """Start evaluating round `round_no`'s weights; older evaluation parts are dropped.
@@ -149,6 +178,8 @@ class TaskPool:
                 return f"overlapping part [{part.lo}, {part.hi}) of {kind}{mb}"
             slot.parts[part.lo] = part
             slot.covered += part.hi - part.lo
+            slot.nbytes += _storage_bytes(tensors)
+            self._observe()
             self.cond.notify_all()
             return None
 
@@ -161,6 +192,7 @@ class TaskPool:
                 self.dropped += 1
                 return stale or f"duplicate reduce chunk step {msg.step} chunk {msg.chunk}"
             self._chunks[key] = t
+            self._observe()
             self.cond.notify_all()
             return None
 
@@ -180,6 +212,43 @@ class TaskPool:
         if len(parts) == 1:
             return parts[0].tensors
         return [torch.cat(ts) for ts in zip(*(p.tensors for p in parts), strict=True)]
+
+    # --- what the worker holds -------------------------------------------------
+
+    def resident_bytes(self) -> int:
+        """Bytes of the tensors in the pool now: parts not yet taken, reduce chunks."""
+        with self.cond:
+            return self._resident()
+
+    def hold_saved(self, nbytes: int) -> None:
+        """Count `nbytes` of saved activations as held: a forward ran, its backward has not."""
+        with self.cond:
+            self.saved_bytes += nbytes
+            self._observe()
+
+    def release_saved(self, nbytes: int) -> None:
+        """A backward ran: the `nbytes` its forward kept are let go."""
+        with self.cond:
+            if nbytes > self.saved_bytes:
+                raise ValueError(
+                    f"releasing {nbytes} saved bytes, only {self.saved_bytes} are held"
+                )
+            self.saved_bytes -= nbytes
+
+    def _resident(self) -> int:
+        """Pool bytes (under `cond`); summed afresh so that nothing kept goes uncounted."""
+        parts = sum(slot.nbytes for slot in self._slots.values())
+        return parts + _storage_bytes(self._chunks.values())
+
+    def _new_peak(self) -> None:
+        """Restart the peaks from what is held now (under `cond`)."""
+        self.peak_bytes = self._resident() + self.saved_bytes
+        self.peak_saved_bytes = self.saved_bytes
+
+    def _observe(self) -> None:
+        """Raise the peaks to what is held now (under `cond`), after anything was added."""
+        self.peak_bytes = max(self.peak_bytes, self._resident() + self.saved_bytes)
+        self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
 
     def wait(self, decide: Callable[[], T | None], timeout_s: float, what: Callable[[], str]) -> T:
         """Block until `decide()` (run under the lock) returns a value, or time out."""

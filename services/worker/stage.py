@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.checkpoint import load_stage, restore_optimizer, save_stage
+from common.checkpoint import load_stage, restore_optimizer, save_stage, stage_digest
 from common.errors import ConfigError
 from common.ids import DeviceId
 from common.job import OptimizerSpec, learning_rate
@@ -33,7 +33,7 @@ from services.worker.pool import TaskPool
 from services.worker.schedule import Action, PoolView, next_task
 from services.worker.transport import Dispatcher
 
-__all__ = ["RoundResult", "StageRunner", "make_optimizer"]
+__all__ = ["RoundResult", "RoundState", "StageRunner", "make_optimizer"]
 
 
 def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
@@ -69,17 +69,76 @@ def _job_rounds(assign: Assign) -> int:
 
 @dataclass
 class RoundResult:
-    """What a worker reports for one round."""
+    """What a worker reports for one round.
+
+    `peak_bytes` is the most the stage held at once: tensors in its task pool
+    plus the activations kept for backwards still to run (autograd's saved
+    tensors, the stage's input and output); `peak_saved_bytes` is the latter's own peak.
+    """
 
     samples: int = 0
     loss_sum: float = 0.0
     correct: int = 0
     max_alive: int = 0
+    peak_bytes: int = 0
+    peak_saved_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
     def stage_timings(self) -> StageTimings:
         """The timings as the wire model."""
         return StageTimings(**self.timings)
+
+
+@dataclass
+class RoundState:
+    """A round in progress on one stage: what the scheduler loop keeps between tasks."""
+
+    round_no: int
+    res: RoundResult
+    policy: str
+    t0: float
+    ctx: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Input and output of each micro-batch whose backward has not run."""
+    kept: dict[int, int] = field(default_factory=dict)
+    """Bytes each of those micro-batches keeps: saved tensors, input and output."""
+    next_f: int = 0
+    done_b: int = 0
+    timings: dict[str, float] = field(
+        default_factory=lambda: {"forward_s": 0.0, "backward_s": 0.0, "wait_s": 0.0}
+    )
+
+
+class _KeptBytes:
+    """Counts what one micro-batch keeps from its forward until its backward.
+
+    That is autograd's saved tensors (through saved-tensor hooks) and the
+    input and output the runner holds. Distinct storages count once; the
+    module's weights and buffers are skipped (held whatever the schedule).
+    All of it is let go when the backward has run, so the count is released then.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        state = [*module.parameters(), *module.buffers()]
+        self.skip = {t.untyped_storage().data_ptr() for t in state}
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Count `t`'s storage unless seen or a weight; autograd keeps `t` itself."""
+        try:
+            storage = t.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # no plain storage (e.g. sparse)
+            key, size = id(t), t.numel() * t.element_size()
+        if key not in self.skip and key not in self.seen:
+            self.seen.add(key)
+            self.total += size
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        """Give autograd back the tensor it saved."""
+        return t
 
 
 class StageRunner:
@@ -146,30 +205,54 @@ class StageRunner:
 
     def run_round(self, round_no: int) -> RoundResult:
         """Forward and backward every micro-batch, all-reduce, one optimizer step."""
-        t0 = time.perf_counter()
+        state = self.begin_round(round_no)
+        while state.done_b < self.m:
+            w0 = time.perf_counter()
+            decide = functools.partial(
+                self._decide, round_no, state.next_f, state.ctx, state.policy
+            )
+            what = functools.partial(self._waiting_for, state.next_f, state.ctx)
+            action = self.pool.wait(decide, self.timeout, what)
+            state.timings["wait_s"] += time.perf_counter() - w0
+            self.run_task(state, action)
+        return self.end_round(state)
+
+    def begin_round(self, round_no: int) -> RoundState:
+        """Start round `round_no`: drop older parts, clear gradients and the memory peak."""
         self.pool.begin_round(round_no)
         self.optimizer.zero_grad(set_to_none=True)
         res = RoundResult(samples=(self.span[1] - self.span[0]) * self.m)
-        t = {"forward_s": 0.0, "backward_s": 0.0, "wait_s": 0.0}
-        ctx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        next_f, done_b = 0, 0
-        policy = self.assign.job.policy
-        while done_b < self.m:
-            w0 = time.perf_counter()
-            decide = functools.partial(self._decide, round_no, next_f, ctx, policy)
-            what = functools.partial(self._waiting_for, next_f, ctx)
-            action = self.pool.wait(decide, self.timeout, what)
-            c0 = time.perf_counter()
-            t["wait_s"] += c0 - w0
-            if action.kind == "F":
-                ctx[action.mb] = self._forward(round_no, action.mb, res)
-                res.max_alive = max(res.max_alive, len(ctx))
-                next_f += 1
-                t["forward_s"] += time.perf_counter() - c0
-            else:
-                self._backward(round_no, action.mb, *ctx.pop(action.mb))
-                done_b += 1
-                t["backward_s"] += time.perf_counter() - c0
+        return RoundState(round_no, res, self.assign.job.policy, time.perf_counter())
+
+    def ready_task(self, state: RoundState) -> Action | None:
+        """The task the scheduler would run now, or None; never waits (for lockstep drivers)."""
+        with self.pool.cond:
+            return self._decide(state.round_no, state.next_f, state.ctx, state.policy)
+
+    def run_task(self, state: RoundState, action: Action) -> None:
+        """Run one forward or backward; tell the pool what its forward keeps until the backward."""
+        c0 = time.perf_counter()
+        mb = action.mb
+        if action.kind == "F":
+            kept = _KeptBytes(self.module)
+            with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
+                state.ctx[mb] = self._forward(state.round_no, mb, state.res)
+            for t in state.ctx[mb]:  # the runner keeps input and output for the backward
+                kept.pack(t)
+            state.kept[mb] = kept.total
+            self.pool.hold_saved(kept.total)
+            state.res.max_alive = max(state.res.max_alive, len(state.ctx))
+            state.next_f += 1
+            state.timings["forward_s"] += time.perf_counter() - c0
+        else:
+            self._backward(state.round_no, mb, *state.ctx.pop(mb))
+            self.pool.release_saved(state.kept.pop(mb))
+            state.done_b += 1
+            state.timings["backward_s"] += time.perf_counter() - c0
+
+    def end_round(self, state: RoundState) -> RoundResult:
+        """All-reduce inside the group, step the optimizer, report the round."""
+        round_no, t = state.round_no, state.timings
         a0 = time.perf_counter()
         self._allreduce(round_no)
         s0 = time.perf_counter()
@@ -179,8 +262,10 @@ class StageRunner:
         self.optimizer.step()
         t["allreduce_s"] = s0 - a0
         t["step_s"] = time.perf_counter() - s0
-        t["total_s"] = time.perf_counter() - t0
+        t["total_s"] = time.perf_counter() - state.t0
+        res = state.res
         res.timings = t
+        res.peak_bytes, res.peak_saved_bytes = self.pool.peak_bytes, self.pool.peak_saved_bytes
         self.round = round_no + 1
         return res
 
@@ -285,8 +370,20 @@ class StageRunner:
 
     # --- checkpoints ----------------------------------------------------------
 
-    def save(self, round_no: int) -> list[int]:
-        """Write this stage's layers and optimizer state as checkpoint `round_no`."""
-        return save_stage(
-            self.store, self.assign.job.job_id, round_no, self.module, self.optimizer, self.start
-        )
+    def save(self, round_no: int) -> tuple[list[int], str]:
+        """Checkpoint `round_no`: the leader writes the layers; every replica digests its state.
+
+        Returns the layers written (none on a non-leader) and the digest of this
+        replica's weights, buffers and optimizer state, for the coordinator to compare.
+        """
+        layers = []
+        if self.is_leader:
+            layers = save_stage(
+                self.store,
+                self.assign.job.job_id,
+                round_no,
+                self.module,
+                self.optimizer,
+                self.start,
+            )
+        return layers, stage_digest(self.module, self.optimizer)

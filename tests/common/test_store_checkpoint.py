@@ -4,12 +4,15 @@ from torch import nn
 
 from common import store as store_mod
 from common.checkpoint import (
+    check_replicas,
+    checkpoint_digests,
     commit_checkpoint,
     latest_round,
     load_full_state,
     load_stage,
     restore_optimizer,
     save_stage,
+    stage_digest,
 )
 from common.errors import CheckpointError, StoreError
 from common.store import Store
@@ -110,3 +113,74 @@ def test_incomplete_checkpoint_cannot_be_committed(store):
         commit_checkpoint(store, "j", 1, 5)
     with pytest.raises(CheckpointError, match="no committed checkpoint"):
         load_full_state(store, "j", 1)
+
+
+def _trained(kind: str = "adam") -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    model = _model()
+    opt: torch.optim.Optimizer = (
+        torch.optim.Adam(model.parameters(), lr=0.01)
+        if kind == "adam"
+        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
+    _steps(model, opt, 0, 2)
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    "where", ["weight", "buffer", "optimizer moment", "optimizer step", "nothing"]
+)
+def test_digest_sees_one_ulp_anywhere_in_the_saved_state(where):
+    """Replicas are compared by digest, so a one-ulp difference in any saved tensor must show."""
+    model, opt = _trained()
+    before = stage_digest(model, opt)
+    assert before == stage_digest(*_trained())  # same steps from the same seed: same bits
+    with torch.no_grad():
+        if where == "weight":
+            w = model[2].weight
+            w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(1.0))
+        elif where == "buffer":
+            model[3].running_var[1] = torch.nextafter(model[3].running_var[1], torch.tensor(9.0))
+        elif where == "optimizer moment":
+            m = opt.state[model[4].bias]["exp_avg"]
+            m[0] = torch.nextafter(m[0], torch.tensor(1.0))
+        elif where == "optimizer step":
+            opt.state[model[0].weight]["step"] += 1
+    assert (stage_digest(model, opt) == before) == (where == "nothing")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_digest_covers_what_the_checkpoint_holds(store, kind):
+    """A stage loaded from a checkpoint digests like the replica that wrote it."""
+    model, opt = _trained(kind)
+    save_stage(store, "j", 2, model, opt, 0)
+    stage = nn.Sequential(*list(_model())[2:5])
+    weights, optim = load_stage(store, "j", 2, 2, 5)
+    stage.load_state_dict(weights)
+    o: torch.optim.Optimizer = (
+        torch.optim.Adam(stage.parameters(), lr=0.01)
+        if kind == "adam"
+        else torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    )
+    restore_optimizer(stage, o, optim)
+    alone = nn.Sequential(*list(model)[2:5])  # the writer's layers 2-4 and their state
+    alone_opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+    alone_opt.state.update({p: opt.state[p] for p in alone.parameters()})
+    assert stage_digest(stage, o) == stage_digest(alone, alone_opt)
+    assert stage_digest(stage, o) != stage_digest(stage, None)
+
+
+def test_diverged_replicas_are_named_and_agreeing_ones_recorded(store):
+    same, other = "a" * 64, "b" * 64
+    digests = [{"a": same, "b": same}, {"c": other}, {"d": same, "e": other, "f": same}]
+    with pytest.raises(
+        CheckpointError,
+        match=r"round 4: the replicas of stage 2 diverged, expected one state, got 2 "
+        r"\(d, f hold aaaaaaaaaaaa; e hold bbbbbbbbbbbb\)",
+    ):
+        check_replicas(4, digests)
+    digests[2]["e"] = same
+    check_replicas(4, digests)
+    model = _model()
+    save_stage(store, "j", 4, model, None, 0)
+    commit_checkpoint(store, "j", 4, len(model), digests)
+    assert checkpoint_digests(store, "j", 4) == digests

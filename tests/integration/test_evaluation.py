@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.checkpoint import commit_checkpoint, load_full_state, save_stage
+from common.checkpoint import check_replicas, commit_checkpoint, load_full_state, save_stage
 from common.job import JobSpec
 from common.messages import (
     Assign,
@@ -32,7 +32,12 @@ from common.zoo import build_model
 from tests.cluster import LocalCluster
 from tests.integration.driver import Driver
 from tests.integration.test_equivalence import PLANS
-from tests.reference import reference_eval, reference_train
+from tests.reference import (
+    assert_losses_match,
+    assert_matches_reference,
+    reference_eval,
+    reference_train,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -110,9 +115,17 @@ def test_eval_through_hybrid_pipeline_matches_reference(tmp_path, redis_url, clu
         losses = [train(r) for r in range(3)]
         after_three = evaluate(3, 4)  # 128 positions cover the 100 held-out samples once
         losses.append(train(3))
-        driver.send(leaders, SaveCheckpoint(epoch=EPOCH, round=ROUNDS))
-        driver.gather(CheckpointSaved, leaders, EPOCH, ROUNDS)
-        commit_checkpoint(store, "ev", ROUNDS, len(full))
+        driver.send(devices, SaveCheckpoint(epoch=EPOCH, round=ROUNDS))
+        saved = driver.gather(CheckpointSaved, devices, EPOCH, ROUNDS)
+        digests = [
+            {str(a.device): saved[str(a.device)].digest for a in st.devices} for st in plan.stages
+        ]
+        check_replicas(ROUNDS, digests)  # every replica holds its leader's state, bit for bit
+        written = {d: m.layers for d, m in saved.items() if m.layers}
+        assert written == {
+            d: list(range(st.start, st.end)) for d, st in zip(leaders, plan.stages, strict=True)
+        }
+        commit_checkpoint(store, "ev", ROUNDS, len(full), digests)
         weights = load_full_state(store, "ev", ROUNDS)
         driver.send(devices, RunEval(epoch=EPOCH, round=2, batches=1))
         refused = driver.gather(WorkerError, devices, EPOCH, 2)
@@ -126,9 +139,8 @@ def test_eval_through_hybrid_pipeline_matches_reference(tmp_path, redis_url, clu
     assert all("holds those of round 4" in m.error for m in refused.values())
     ref_final, ref_losses = reference_train(MODEL, 7, 32, ROUNDS, OPT, dataset=HELD_OUT)
     ref_three, _ = reference_train(MODEL, 7, 32, 3, OPT, dataset=HELD_OUT, total_rounds=ROUNDS)
-    worst = max(float((weights[k] - ref_final[k]).abs().max()) for k in ref_final)
-    assert worst < 1e-5, f"max abs weight difference {worst}"
-    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    assert_matches_reference(weights, ref_final)
+    assert_losses_match(losses, ref_losses)
     for got, ref_weights, count in [
         (initial, full.state_dict(), 32),
         (after_three, ref_three, 128),

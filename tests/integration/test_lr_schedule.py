@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_equivalence import PLANS, SGD, run_job
-from tests.reference import reference_eval, reference_train
+from tests.integration.test_equivalence import PLANS, SGD, losses, run_job
+from tests.reference import (
+    assert_losses_match,
+    assert_matches_reference,
+    reference_eval,
+    reference_train,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -35,10 +40,8 @@ def test_schedule_with_warmup_matches_single_process(tmp_path, redis_url, cluste
         tmp_path, redis_url, cluster_name, model, PLANS["hybrid"], optimizer=optimizer
     )
     ref, ref_losses = reference_train(model, 7, 32, 5, optimizer)
-    assert weights.keys() == ref.keys()
-    worst = max(float((weights[k] - ref[k]).abs().max()) for k in ref)
-    assert worst < 1e-5, f"max abs weight difference {worst}"
-    assert [m["loss"] for m in metrics if "loss" in m] == pytest.approx(ref_losses, abs=1e-5)
+    assert_matches_reference(weights, ref)
+    assert_losses_match(losses(metrics), ref_losses)
     # the coordinator evaluates after the last round: 16 batches of 32 cover eval_size 512
     (final,) = [m for m in metrics if "eval_loss" in m]
     loss, correct, samples = reference_eval(model, 7, ref, 512)

@@ -5,11 +5,15 @@ replaced by one that puts parts straight into the destination's pool (cloned,
 as the wire would), so routing, scheduling and evaluation are tested without
 sockets. Commands run in one thread per device with a barrier between them,
 as the coordinator waits for every reply before its next command.
+
+`run_lockstep` runs a round's tasks in one thread in a fixed order instead, so
+that what each stage holds at every moment is deterministic.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +25,8 @@ from common.plan import Plan
 from common.store import Store
 from common.zoo import build_model
 from services.worker.pool import TaskPool
-from services.worker.stage import StageRunner
+from services.worker.schedule import Action
+from services.worker.stage import RoundResult, StageRunner
 
 
 class DirectDispatcher:
@@ -81,19 +86,46 @@ class LocalPipeline:
 
     def run(self, command: str, *args: int) -> dict[str, Any]:
         """Run `runner.<command>(*args)` on every device at once; returns the results."""
+        return self._on_all(lambda _name, runner: getattr(runner, command)(*args))
+
+    def run_lockstep(
+        self, round_no: int
+    ) -> tuple[dict[str, RoundResult], list[tuple[str, Action]]]:
+        """Run round `round_no` with its tasks in a fixed order; returns results and that order.
+
+        Devices take turns in plan order, each running every task its scheduler
+        finds ready before the next one's turn; parts arrive the moment they are
+        sent. Then every device all-reduces and steps at once (a ring needs its peers).
+        """
+        states = {name: r.begin_round(round_no) for name, r in self.runners.items()}
+        order: list[tuple[str, Action]] = []
+        while any(states[n].done_b < r.m for n, r in self.runners.items()):
+            ran = len(order)
+            for name, runner in self.runners.items():
+                while (action := runner.ready_task(states[name])) is not None:
+                    runner.run_task(states[name], action)
+                    order.append((name, action))
+            if len(order) == ran:
+                done = [f"{n}:{a}" for n, a in order]
+                raise AssertionError(f"no device can run a task after {done}")
+        results = self._on_all(lambda name, runner: runner.end_round(states[name]))
+        return results, order
+
+    def _on_all(self, work: Callable[[str, StageRunner], Any]) -> dict[str, Any]:
+        """Call `work(name, runner)` for every device, one thread each; returns the results."""
         results: dict[str, Any] = {}
         errors: list[BaseException] = []
 
-        def work(name: str, runner: StageRunner) -> None:
+        def one(name: str, runner: StageRunner) -> None:
             try:
-                results[name] = getattr(runner, command)(*args)
+                results[name] = work(name, runner)
             except BaseException as exc:
                 errors.append(exc)
                 for pool in self.pools.values():
                     pool.abort(f"{name} failed: {exc}")
 
         threads = [
-            threading.Thread(target=work, args=(n, r), daemon=True) for n, r in self.runners.items()
+            threading.Thread(target=one, args=(n, r), daemon=True) for n, r in self.runners.items()
         ]
         for t in threads:
             t.start()

@@ -4,7 +4,16 @@ Simulates S stages executing either the canonical `schedule()` lists or the
 dynamic `next_task()` policy against each other: forward before backward,
 at most K_p activations alive (M under GPipe), every receive matched by a
 send, and no deadlock.
+
+Rules alone pass a scheduler that never pipelines (K=1 everywhere keeps every
+bound), so the orders are also compared with the textbook ones: when every
+step takes one tick on every stage at once, 1F1B is exactly K_p warm-up
+forwards, then one backward and one forward alternating, then the cool-down
+backwards, with exactly min(K_p, M) micro-batches alive at the peak; and
+deliberately broken schedulers are shown to fail that comparison.
 """
+
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -168,3 +177,124 @@ def test_eval_waits_for_the_next_microbatch_and_stops_after_the_last():
 
 def test_eval_schedule_is_the_forwards_in_order():
     assert [str(a) for a in eval_schedule(3, 2)] == ["3F0", "3F1"]
+
+
+# --- exact orders: the textbook 1F1B and GPipe ---------------------------------------
+
+Decide = Callable[[PoolView, int, int, int, str], Action | None]
+
+
+def textbook(stage, k, m, policy):
+    """The order of the papers, as text: GPipe all F then all B; 1F1B warm-up, 1B1F, cool-down."""
+    if policy == "gpipe":
+        return [f"{stage}F{j}" for j in range(m)] + [f"{stage}B{j}" for j in range(m)]
+    warm = min(k, m)
+    steady = [
+        f"{stage}{kind}{j}" for i in range(m - warm) for kind, j in (("B", i), ("F", warm + i))
+    ]
+    return (
+        [f"{stage}F{j}" for j in range(warm)]
+        + steady
+        + [f"{stage}B{j}" for j in range(m - warm, m)]
+    )
+
+
+def simulate_ticks(s, m, policy, decide: Decide = next_task):
+    """Every stage decides at once on each tick from what the previous tick finished.
+
+    Forwards and backwards take one tick and parts arrive the tick after they
+    are sent. Returns per-stage traces (text) and peak alive micro-batches.
+    """
+    ks = [k_of(p, s, m) for p in range(s)]
+    fwd_done = [set() for _ in range(s)]
+    bwd_done = [set() for _ in range(s)]
+    alive = [set() for _ in range(s)]
+    nf, peak = [0] * s, [0] * s
+    trace = [[] for _ in range(s)]
+    for _ in range(4 * s * m + 4):  # the longest schedule, with slack
+        actions = [
+            decide(
+                PoolView(
+                    next_forward=nf[p],
+                    alive=len(alive[p]),
+                    forward_ready=frozenset(range(m))
+                    if p == 0
+                    else frozenset(fwd_done[p - 1]) - fwd_done[p],
+                    backward_ready=frozenset(alive[p])
+                    if p == s - 1
+                    else frozenset(bwd_done[p + 1]) & alive[p],
+                ),
+                p,
+                ks[p],
+                m,
+                policy,
+            )
+            for p in range(s)
+        ]
+        for p, a in enumerate(actions):
+            if a is None:
+                continue
+            trace[p].append(str(a))
+            if a.kind == "F":
+                fwd_done[p].add(a.mb)
+                alive[p].add(a.mb)
+                nf[p] += 1
+                peak[p] = max(peak[p], len(alive[p]))
+            else:
+                alive[p].remove(a.mb)
+                bwd_done[p].add(a.mb)
+    return trace, peak
+
+
+def check_pipelines(s, m, policy, decide: Decide = next_task):
+    """Assert that `decide` gives the textbook order and exactly its peak on every stage."""
+    trace, peak = simulate_ticks(s, m, policy, decide)
+    for p in range(s):
+        k = k_of(p, s, m)
+        assert trace[p] == textbook(p, k, m, policy), f"stage {p} of {s}, M={m}"
+        assert peak[p] == (k if policy == "1f1b" else m), f"stage {p} of {s}, M={m}: {peak}"
+
+
+def test_textbook_1f1b_spelled_out():
+    """S=3, M=6: K = 5, 3, 1."""
+    assert [textbook(p, k_of(p, 3, 6), 6, "1f1b") for p in range(3)] == [
+        ["0F0", "0F1", "0F2", "0F3", "0F4", "0B0", "0F5", "0B1", "0B2", "0B3", "0B4", "0B5"],
+        ["1F0", "1F1", "1F2", "1B0", "1F3", "1B1", "1F4", "1B2", "1F5", "1B3", "1B4", "1B5"],
+        ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3", "2F4", "2B4", "2F5", "2B5"],
+    ]
+
+
+@pytest.mark.parametrize("policy", ["1f1b", "gpipe"])
+@given(st.integers(1, 6), st.integers(1, 12))
+def test_canonical_schedule_is_the_textbook_order(policy, s, m):
+    for p in range(s):
+        k = k_of(p, s, m)
+        assert [str(a) for a in schedule(p, k, m, policy)] == textbook(p, k, m, policy)
+
+
+@pytest.mark.parametrize("policy", ["1f1b", "gpipe"])
+@given(st.integers(1, 6), st.integers(1, 12))
+def test_dynamic_policy_pipelines_exactly_as_the_textbook(policy, s, m):
+    check_pipelines(s, m, policy)
+
+
+def never_pipelines(view, stage, k, m, policy):
+    """One micro-batch at a time: keeps every bound, overlaps nothing."""
+    return next_task(view, stage, 1, m, policy)
+
+
+def gpipe_instead(view, stage, k, m, policy):
+    """All forwards, then all backwards, whatever the policy says."""
+    return next_task(view, stage, k, m, "gpipe")
+
+
+def one_short(view, stage, k, m, policy):
+    """Warms up one micro-batch fewer than K_p."""
+    return next_task(view, stage, max(1, k - 1), m, policy)
+
+
+@pytest.mark.parametrize("broken", [never_pipelines, gpipe_instead, one_short])
+def test_a_scheduler_that_does_not_pipeline_fails_the_check(broken):
+    check_pipelines(3, 6, "1f1b")  # the real one passes on the same case
+    with pytest.raises(AssertionError, match="stage 0 of 3"):
+        check_pipelines(3, 6, "1f1b", broken)

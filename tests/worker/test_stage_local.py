@@ -15,7 +15,12 @@ from common.job import JobSpec
 from common.plan import Plan
 from common.store import Store
 from common.zoo import ModelSpec, build_model
-from tests.reference import reference_eval, reference_train
+from tests.reference import (
+    assert_losses_match,
+    assert_matches_reference,
+    reference_eval,
+    reference_train,
+)
 from tests.worker.local_pipeline import LocalPipeline
 
 SMALL_CNN = {"name": "small_cnn"}
@@ -67,11 +72,6 @@ def summed(pipe, results):
     )
 
 
-def max_diff(a, b):
-    assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
-
 @pytest.mark.parametrize("total_rounds", [0, 4], ids=["from-job-spec", "from-assign"])
 def test_hybrid_schedule_and_evaluation_match_the_reference(
     store, redis_url, cluster_name, total_rounds
@@ -88,16 +88,16 @@ def test_hybrid_schedule_and_evaluation_match_the_reference(
         losses.append(sum(done[d].loss_sum for d in pipe.last_stage()))
     before = pipe.weights()
     second = summed(pipe, pipe.run("run_eval", 3, 4))  # 128 positions, 100 held-out samples
-    assert max_diff(pipe.weights(), before) == 0.0
+    assert_matches_reference(pipe.weights(), before, tol=0.0, what="weights after evaluation")
     done = pipe.run("run_round", 3)
     losses.append(sum(done[d].loss_sum for d in pipe.last_stage()))
     assert pipe.out.dropped == []
 
     ref_final, ref_losses = reference_train(SMALL_CNN, 7, 32, 4, COSINE, dataset=HELD_OUT)
     ref_three, _ = reference_train(SMALL_CNN, 7, 32, 3, COSINE, dataset=HELD_OUT, total_rounds=4)
-    assert max_diff(pipe.weights(), ref_final) < 1e-5
-    assert max_diff(before, ref_three) < 1e-5
-    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    assert_matches_reference(pipe.weights(), ref_final)
+    assert_matches_reference(before, ref_three, what="weights after three rounds")
+    assert_losses_match(losses, ref_losses)
     for got, weights, count in [(first, initial, 32), (second, ref_three, 128)]:
         loss, correct, samples = reference_eval(SMALL_CNN, 7, weights, count, dataset=HELD_OUT)
         assert got[0] == pytest.approx(loss, rel=1e-4)

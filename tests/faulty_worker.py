@@ -16,9 +16,15 @@ from typing import Any
 import torch
 
 import services.worker.main as worker_main
+from common.logging import get_logger
 from common.messages import Message
-from services.worker.stage import StageRunner
+from services.worker.stage import RoundResult, StageRunner
 from services.worker.transport import Dispatcher
+
+log = get_logger(__name__)
+
+STALL_S = 3600.0
+"""How long a stall lasts unless preempted: longer than any test."""
 
 
 class Fault(enum.Enum):
@@ -32,15 +38,37 @@ class Fault(enum.Enum):
     CUT_DATA = "cut-data"
     """From round `--fault-round` on, nothing it sends on the data plane arrives;
     the control plane (heartbeats, replies) stays up."""
+    FAIL_ROUND = "fail-round"
+    """Its stage raises a RuntimeError at the start of round `--fault-round`
+    (the worker reports it as a WorkerError and keeps serving)."""
+    STALL_ALLREDUCE = "stall-allreduce"
+    """In round `--fault-round`, its stage stops before its all-reduce (logging
+    `STALL_EVENT`) until a new assignment or a shutdown, so that a test can kill
+    it while its group's peers wait in the all-reduce."""
 
 
-def _runner_class(fault: Fault, stage: int) -> type[StageRunner]:
+STALL_EVENT = "fault: stalling before the all-reduce"
+
+
+def _runner_class(fault: Fault, stage: int, fault_round: int) -> type[StageRunner]:
     class FaultyRunner(StageRunner):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             if fault is Fault.NO_WEIGHT_DECAY and self.p == stage:
                 for group in self.optimizer.param_groups:
                     group["weight_decay"] = 0.0
+
+        def run_round(self, round_no: int) -> RoundResult:
+            if fault is Fault.FAIL_ROUND and self.p == stage and round_no == fault_round:
+                raise RuntimeError(f"injected fault in round {round_no} on stage {self.p}")
+            return super().run_round(round_no)
+
+        def _allreduce(self, round_no: int) -> None:
+            if fault is Fault.STALL_ALLREDUCE and self.p == stage and round_no == fault_round:
+                log.warning(STALL_EVENT, round=round_no)
+                # a wait that nothing completes: only a preemption (or a kill) ends it
+                self.pool.wait(lambda: None, STALL_S, lambda: "a stall to end")
+            super()._allreduce(round_no)
 
         def _backward(self, round_no: int, mb: int, x: torch.Tensor, out: torch.Tensor) -> None:
             if fault is not Fault.SKIP_GRADIENT or self.p != stage or mb != self.m - 1:
@@ -78,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     if fault is Fault.CUT_DATA:
         worker_main.Dispatcher = _dispatcher_class(args.fault_round)  # type: ignore[misc]
     else:
-        worker_main.StageRunner = _runner_class(fault, args.fault_stage)  # type: ignore[misc]
+        worker_main.StageRunner = _runner_class(fault, args.fault_stage, args.fault_round)  # type: ignore[misc]
     worker_main.main(rest)
 
 

@@ -20,6 +20,7 @@ import yaml
 import zmq
 from pydantic import ValidationError
 
+from common.checkpoint import latest_round
 from common.codec import Limits, recv_message, send_message
 from common.errors import AsteroidError, ConfigError, PlanError, ProtocolError
 from common.ids import DeviceId
@@ -126,7 +127,7 @@ class Coordinator:
         while missing := [d for d in devices if d not in self.members]:
             if time.monotonic() > deadline:
                 raise JobFailed(
-                    f"workers {missing} did not join within {timeout_s:.0f} s "
+                    f"workers {missing} did not join within {timeout_s:g} s "
                     f"(joined: {sorted(self.members)})"
                 )
             self.pump(0.1)
@@ -146,7 +147,7 @@ class Coordinator:
             if time.monotonic() > deadline:
                 raise JobFailed(
                     f"min_workers: {count} workers wanted, {len(self.alive())} joined within "
-                    f"{timeout_s:.0f} s ({sorted(self.alive())})"
+                    f"{timeout_s:g} s ({sorted(self.alive())})"
                 )
             if self.running:
                 self.check_cancelled(self.running)
@@ -196,7 +197,7 @@ class Coordinator:
             if self.running:
                 self.check_cancelled(self.running)
             if time.monotonic() > deadline:
-                raise JobFailed(f"{service} did not send the {what} within {timeout_s:.0f} s")
+                raise JobFailed(f"{service} did not send the {what} within {timeout_s:g} s")
             self.pump(0.1)
 
     def gather(
@@ -242,7 +243,7 @@ class Coordinator:
             if now > deadline:
                 raise JobFailed(
                     f"no {kind.__name__} of round {round_no} from {sorted(want - set(got))} "
-                    f"within {timeout_s:.0f} s"
+                    f"within {timeout_s:g} s"
                 )
         return got
 
@@ -252,7 +253,7 @@ class Coordinator:
         while PLANNER not in self.services:
             if time.monotonic() > deadline:
                 raise JobFailed(
-                    f"no planner service joined within {timeout_s:.0f} s (start asteroid-planner "
+                    f"no planner service joined within {timeout_s:g} s (start asteroid-planner "
                     f"with --coordinator {self.endpoint})"
                 )
             if self.running:
@@ -278,8 +279,23 @@ class Coordinator:
         written under another plan): workers are re-assigned, not restarted.
         """
         total = check_job(job)
+        if resume:
+            self._check_resumable(job.job_id, total)
         self._register(job, total, keep_checkpoints=resume)
         return JobRun(self, job, total).run(plan, resume)
+
+    def _check_resumable(self, jid: str, total: int) -> None:
+        """Refuse to resume a job whose newest checkpoint is already its last round.
+
+        Refused like any invalid job, before it is registered or waits for
+        workers, so that its record (finished, say) stays as it was.
+        """
+        done = latest_round(self.store, jid)
+        if done is not None and done >= total:
+            raise ConfigError(
+                f"resume: job {jid} has {total} rounds and already a checkpoint of round "
+                f"{done}; nothing is left to run"
+            )
 
     def serve(self, stop_after: str | None = None) -> JobSummary | None:
         """Run submitted jobs one after another until interrupted.

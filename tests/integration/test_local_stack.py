@@ -1,4 +1,4 @@
-"""The demo's flow, shorter, on the CI Redis: every service a real process.
+"""The demo's flow, shorter, on the tests' Redis: every service a real process.
 
 Submit -> profiling (profiler service) -> planning (planner service) ->
 running (workers) -> finished, with held-out evaluation, a report, exported
@@ -9,6 +9,7 @@ coordinator refuses.
 from __future__ import annotations
 
 import io
+import json
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from rich.console import Console
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from common.checkpoint import latest_round
 from common.job import JobSpec
 from common.job_data import open_data
 from common.messages import CancelJob, SubmitJob
@@ -27,6 +29,7 @@ from services.cli.client import ask_coordinator
 from services.cli.follow import follow
 from services.cli.report import job_report, stage_table, summary_table
 from services.launcher import LocalStack
+from tests.cluster import Budget
 from tests.common.test_cifar10 import make_records, write
 
 pytestmark = pytest.mark.integration
@@ -49,8 +52,19 @@ JOB = {
 def _until(pred, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting {timeout_s:.0f} s for {what}"
         time.sleep(0.2)
+
+
+def _log_events(stack: LocalStack, name: str) -> list[dict]:
+    """The JSON lines of one service's log."""
+    out = []
+    for line in (stack.log_dir / f"{name}.log").read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 @pytest.fixture
@@ -59,14 +73,21 @@ def stack(tmp_path, redis_url, cluster_name):
         yield s
 
 
-def test_submit_profile_plan_train_evaluate_export(stack, redis_url, cluster_name, tmp_path):
+def test_submit_profile_plan_train_evaluate_export(
+    stack, redis_url, cluster_name, tmp_path, budget: Budget
+):
     job = JobSpec.model_validate(JOB)
-    reply = ask_coordinator(stack.coordinator, SubmitJob(job=job), timeout_s=60)
+    reply = ask_coordinator(stack.coordinator, SubmitJob(job=job), timeout_s=budget.left(60))
     assert reply.ok, reply.error
     store = Store(redis_url, cluster_name)
     console = Console(file=io.StringIO(), width=120)
-    view = follow(store, job.job_id, console, timeout_s=240)
-    assert view.state == "finished", (view.error, stack.tail("coordinator"))
+    view = follow(store, job.job_id, console, timeout_s=budget.left(180))
+    assert view.state == "finished", (
+        view.state,
+        view.error,
+        str(budget),
+        stack.tail("coordinator"),
+    )
 
     states = [e["event"] for e in store.read("events", job.job_id)]
     for state in ("submitted", "profiling", "planning", "running", "finished"):
@@ -107,36 +128,52 @@ def test_submit_profile_plan_train_evaluate_export(stack, redis_url, cluster_nam
     assert "dev-0" in res.output and "flow" in res.output and "finished" in res.output
 
     again = JobSpec.model_validate({**JOB, "job_id": "flow-2", "rounds": 2, "eval_every": 0})
-    assert ask_coordinator(stack.coordinator, SubmitJob(job=again)).ok
-    view = follow(store, "flow-2", console, timeout_s=120)
-    assert view.state == "finished"
+    assert ask_coordinator(stack.coordinator, SubmitJob(job=again), timeout_s=budget.left(15)).ok
+    view = follow(store, "flow-2", console, timeout_s=budget.left(120))
+    assert view.state == "finished", (view.state, view.error, str(budget))
     assert "profiling" in [e["event"] for e in view.events]
     assert [k.decode() for k in store.keys("profile", "")] == keys  # reused, not measured again
     store.close()
 
 
 def test_cancel_stops_at_a_round_boundary_and_the_coordinator_goes_on(
-    stack, redis_url, cluster_name, tmp_path
+    stack, redis_url, cluster_name, tmp_path, budget: Budget
 ):
     store = Store(redis_url, cluster_name)
-    long = JobSpec.model_validate({**JOB, "job_id": "long", "rounds": 500, "eval_every": 0})
-    assert ask_coordinator(stack.coordinator, SubmitJob(job=long), timeout_s=60).ok
-    dup = ask_coordinator(stack.coordinator, SubmitJob(job=long))
+    spec = {**JOB, "job_id": "long", "rounds": 500, "eval_every": 0, "checkpoint_every": 1}
+    long = JobSpec.model_validate(spec)
+    assert ask_coordinator(stack.coordinator, SubmitJob(job=long), timeout_s=budget.left(60)).ok
+    dup = ask_coordinator(stack.coordinator, SubmitJob(job=long), timeout_s=budget.left(15))
     assert not dup.ok and "job_id: job long is already" in dup.error
 
-    _until(lambda: store.get_fields("job", "long").get("round", 0) >= 2, 180, "round 2")
-    assert ask_coordinator(stack.coordinator, CancelJob(job_id="long")).ok
-    _until(lambda: store.get_fields("job", "long").get("state") == "cancelled", 30, "cancel")
-    committed = store.get_fields("job", "long")["round"]
-    assert 2 <= committed < 500
-    assert len([m for m in store.read("metrics", "long") if "loss" in m]) == committed
+    def job() -> dict:
+        return store.get_fields("job", "long")
 
-    again = ask_coordinator(stack.coordinator, CancelJob(job_id="long"))
+    _until(lambda: job().get("round", 0) >= 2, budget.left(150), "round 2")
+    assert ask_coordinator(stack.coordinator, CancelJob(job_id="long"), budget.left(15)).ok
+    _until(lambda: job().get("state") == "cancelled", budget.left(30), "the cancel")
+
+    # the round in flight when the coordinator took the cancel (bound to its log line)
+    # still commits, and no later round starts: committed rounds = that round + 1
+    taken = [
+        e
+        for e in _log_events(stack, "coordinator")
+        if e.get("event") == "job cancel requested" and e.get("job") == "long"
+    ]
+    assert len(taken) == 1, taken
+    committed = job()["round"]
+    assert committed == taken[0]["round"] + 1, (taken[0], committed)
+    assert [m["round"] for m in store.read("metrics", "long") if "loss" in m] == list(
+        range(committed)
+    )
+    assert latest_round(store, "long") == committed  # the checkpoint of the last commit
+
+    again = ask_coordinator(stack.coordinator, CancelJob(job_id="long"), budget.left(15))
     assert not again.ok and "not queued or running (cancelled)" in again.error
 
     # a spec the CLI would refuse, sent straight to the coordinator: refused, nothing runs
     bad = JobSpec.model_validate({**JOB, "job_id": "bad", "model": {"name": "no_such_net"}})
-    reply = ask_coordinator(stack.coordinator, SubmitJob(job=bad))
+    reply = ask_coordinator(stack.coordinator, SubmitJob(job=bad), budget.left(15))
     assert not reply.ok and reply.error.startswith("model:")
     assert store.get_fields("job", "bad") == {}
 
@@ -147,9 +184,9 @@ def test_cancel_stops_at_a_round_boundary_and_the_coordinator_goes_on(
         write(folder / name, make_records([i % 10 for i in range(n)]))
     spec = {**JOB, "job_id": "after", "rounds": None, "epochs": 1, "eval_every": 0}
     after = JobSpec.model_validate({**spec, "dataset": {"kind": "cifar10", "path": str(folder)}})
-    assert ask_coordinator(stack.coordinator, SubmitJob(job=after)).ok
-    view = follow(store, "after", Console(file=io.StringIO()), timeout_s=120)
-    assert view.state == "finished", view.error
+    assert ask_coordinator(stack.coordinator, SubmitJob(job=after), budget.left(15)).ok
+    view = follow(store, "after", Console(file=io.StringIO()), timeout_s=budget.left(120))
+    assert view.state == "finished", (view.state, view.error, str(budget))
     assert len(view.rounds) == 3  # 96 training records, 32 per round
     assert view.evals[-1]["eval_samples"] == 40  # every held-out record once
     stack.check()

@@ -1,7 +1,9 @@
 """Fixtures of the testbed tests: root and namespace checks, a free subnet, a unique tag.
 
 Integration tests build real namespaces, links and cgroups, so they need root
-and a kernel that allows them; elsewhere they skip with the reason. Every
+and a kernel that allows them; elsewhere they skip with the reason. In CI
+(CI=true) running as root they must run: a reason to skip there is a broken
+machine, so it fails the test instead of hiding it. Every
 test's testbed has a tag of its own and is removed by tag afterwards, even
 when the test failed before its own cleanup ran.
 """
@@ -37,11 +39,23 @@ def _unavailable() -> str | None:
     return None
 
 
+def must_run(ci: str | None, euid: int) -> bool:
+    """Whether a testbed test may not skip: in CI (CI=true) with root's privilege."""
+    return (ci or "").strip().lower() in ("true", "1", "yes") and euid == 0
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip with `reason`, except where `must_run` holds: there the test fails with it."""
+    if must_run(os.environ.get("CI"), os.geteuid()):
+        pytest.fail(f"CI=true as root, so testbed tests must run, but: {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def testbed_host() -> None:
     reason = _unavailable()
     if reason:
-        pytest.skip(reason)
+        skip_or_fail(reason)
 
 
 @pytest.fixture
@@ -54,7 +68,7 @@ def subnet(testbed_host: None) -> str:
                 return net
         except NetError:
             break
-    pytest.skip("no free 10.77.x.0/24 subnet")
+    skip_or_fail("no free 10.77.x.0/24 subnet")
     raise AssertionError  # unreachable
 
 

@@ -7,23 +7,26 @@ so the estimate's runner-up can run faster. This polish replays neighbours of
 the chosen plan in `simulate` and keeps moving while one is faster: shift a
 stage boundary or slide a middle stage by one layer, or regroup devices
 (`_regroupings`: trades between stages, places inside a group, devices
-joining or leaving the plan). Shares always
-come from Algorithm 1 under each stage's K_p and memory budgets, so a polished
-plan still fits. A budget bounds the number of simulations.
+joining or leaving the plan). Shares come from Algorithm 1 under each stage's
+K_p and memory budgets; at the end the fastest few layouts have their shares
+tuned by one-sample moves within each budget (`_reshare`), so a polished plan
+still fits. A budget bounds the number of simulations.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 
 from common.plan import Plan
-from services.planner.balance import balance
+from services.planner.balance import balance, capacity
 from services.planner.base import stage
 from services.planner.cost import CostModel
 from services.planner.simulator import simulate
 
 Layout = tuple[tuple[int, int, tuple[str, ...]], ...]  # (start, end, devices) per stage
 Retune = Callable[[Layout], Layout | None]  # new stage boundaries for the same groups
+RESHARED = 4  # fastest layouts whose shares the polish tunes at the end
 
 
 def polish(
@@ -46,17 +49,60 @@ def polish(
     """
     rank = {d: i for i, d in enumerate(order)}
     seen: set[Layout] = set()
-    best: tuple[Plan, float] | None = None
+    scored: list[tuple[float, Plan]] = []
     left = budget
     for n, start in enumerate(starts):
         share = left // (len(starts) - n)
-        got, spent = _climb(cost, start, share, rank, seen, retune)
+        _, spent = _climb(cost, start, share, rank, seen, retune, scored)
         left -= spent
-        if best is None or got[1] < best[1]:
-            best = got
-    if best is None:
+    if not scored:
         raise ValueError("polish needs at least one plan to start from")
-    return best
+    # the fastest layouts, each with its shares tuned: a layout Algorithm 1's split
+    # makes second best can win once its split is tuned
+    scored.sort(key=lambda x: x[0])
+    tuned = [_reshare(cost, (p, t), max(1, budget // (2 * RESHARED))) for t, p in scored[:RESHARED]]
+    return min(tuned, key=lambda x: x[1])
+
+
+def _reshare(cost: CostModel, start: tuple[Plan, float], budget: int) -> tuple[Plan, float]:
+    """Steepest descent over one-sample moves between two devices of a group.
+
+    Algorithm 1 gives each group the split with the shortest step, which is
+    not always the shortest round: which samples each member takes decides
+    when downstream stages can start and when gradients return under the
+    backward-first scheduler. Every move keeps each device within its budget.
+    """
+    (best, best_s), spent = start, 0
+    while spent < budget:
+        step: tuple[Plan, float] | None = None
+        for trial in _share_moves(cost, best):
+            if spent >= budget:
+                break
+            spent += 1
+            score = simulate(trial, cost).round_s
+            if score < best_s * (1 - 1e-9) and (step is None or score < step[1]):
+                step = (trial, score)
+        if step is None:
+            break
+        best, best_s = step
+    return best, best_s
+
+
+def _share_moves(cost: CostModel, plan: Plan) -> Iterator[Plan]:
+    """`plan` with one sample moved from one member of a group to another that can hold it."""
+    for p, spec in enumerate(plan.stages):
+        counts = [hi - lo for lo, hi in plan.ranges(p).values()]
+        devs = [a.device for a in spec.devices]
+        k = plan.warmup(p)
+        for i, j in itertools.permutations(range(len(devs)), 2):
+            if counts[i] <= 1 or counts[j] + 1 > capacity(cost, devs[j], spec.start, spec.end, k):
+                continue
+            moved = list(counts)
+            moved[i] -= 1
+            moved[j] += 1
+            stages = list(plan.stages)
+            stages[p] = stage(spec.start, spec.end, devs, moved, warmup=spec.warmup)
+            yield plan.model_copy(update={"stages": stages})
 
 
 def _climb(
@@ -66,6 +112,7 @@ def _climb(
     rank: dict[str, int],
     seen: set[Layout],
     retune: Retune | None,
+    scored: list[tuple[float, Plan]],
 ) -> tuple[tuple[Plan, float], int]:
     """Steepest descent from `plan`: to the fastest neighbour while it is faster.
 
@@ -76,6 +123,7 @@ def _climb(
         (s.start, s.end, tuple(a.device for a in s.devices)) for s in plan.stages
     )
     best, best_s = plan, simulate(plan, cost).round_s
+    scored.append((best_s, plan))
     seen.add(layout)
     spent = 1
     while spent < budget:
@@ -89,6 +137,7 @@ def _climb(
                 continue
             spent += 1
             score = simulate(trial, cost).round_s
+            scored.append((score, trial))
             if score < best_s * (1 - 1e-9) and (step is None or score < step[1]):
                 step = (trial, score, cand)
         if step is None:

@@ -9,9 +9,11 @@ and the optimum are memory-aware and raise `PlanDoesNotFit`.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from common.errors import ConfigError
 from common.plan import Plan, StageSpec, split_ranges
@@ -376,22 +378,28 @@ class DuanWuPlanner(Planner):
 class OptimalPlanner(Planner):
     """Exhaustive search, the yardstick for small instances.
 
-    Every ordered partition of every subset of devices into stages, times every
-    split of the layers into that many contiguous ranges; shares by Algorithm 1
-    (memory-aware, K_p = 2(S-p)-1); candidates are scored by the discrete-event
-    simulator (`simulate`), so "optimal" means fastest as the runtime would run
-    it, within HPP plans whose groups keep cluster order. Candidates are
-    replayed in order of a lower bound (M times the slowest stage step: each
-    device runs its forwards and backwards one at a time), stopping once the
-    bound reaches the best round found, which loses nothing.
-    Raises ConfigError above `max_devices` devices or `max_layers` layers.
+    Every sequence of ordered device groups (any subset of the devices, any
+    order inside a group: it decides the routes), times every split of the
+    layers into that many contiguous ranges, times every integer split of a
+    micro-batch among each stage's devices (at least one sample each, checked
+    against each budget with K_p = 2(S-p)-1). Nothing of Asteroid's own
+    search (Algorithm 1's `balance`, the dominant-step estimate) is used, so
+    comparing the two is not comparing a part with itself. Candidates are
+    scored by the discrete-event simulator, so "optimal" means fastest as the
+    runtime would run it. They are replayed in order of a lower bound
+    (`_lower_bound`), stopping once it reaches the best round found, which
+    loses nothing. Raises ConfigError above `max_devices` devices,
+    `max_layers` layers or `max_candidates` candidate plans.
     """
 
     name = "optimal"
 
-    def __init__(self, max_devices: int = 5, max_layers: int = 10) -> None:
+    def __init__(
+        self, max_devices: int = 5, max_layers: int = 10, max_candidates: int = 200_000
+    ) -> None:
         self.max_devices = max_devices
         self.max_layers = max_layers
+        self.max_candidates = max_candidates
 
     def plan(self, cost: CostModel, global_batch: int, microbatches: int) -> Plan:
         """The fastest simulated plan that fits in memory."""
@@ -404,27 +412,50 @@ class OptimalPlanner(Planner):
         micro = micro_size(global_batch, microbatches)
         require_fits_somewhere(cost, micro)
         devs = [d.name for d in cost.cluster.devices]
-        cands: list[tuple[float, list[StageSpec]]] = []
+        memo: dict[tuple[tuple[str, ...], int, int, int], list[_Shares]] = {}
+        layouts: list[tuple[list[list[str]], list[int], list[list[_Shares]]]] = []
         for groups in _arrangements(devs, min(num, layers)):
             parts = len(groups)
             for inner in itertools.combinations(range(1, layers), parts - 1):
                 cuts = [0, *inner, layers]
-                specs, slowest = [], 0.0
+                options = []
                 for p, group in enumerate(groups):
                     k = min(2 * (parts - p) - 1, microbatches)
-                    got = balance(cost, group, cuts[p], cuts[p + 1], micro, k)
-                    if got is None:
-                        break
-                    specs.append(stage(cuts[p], cuts[p + 1], group, got.counts))
-                    slowest = max(slowest, got.time)
-                else:
-                    # every device runs its M forwards and backwards one after another
-                    cands.append((microbatches * slowest, specs))
-        cands.sort(key=lambda c: c[0])
+                    key = (tuple(group), cuts[p], cuts[p + 1], k)
+                    if key not in memo:
+                        memo[key] = _all_shares(
+                            cost, group, cuts[p], cuts[p + 1], micro, k, microbatches
+                        )
+                    options.append(memo[key])
+                if all(options):
+                    layouts.append((groups, cuts, options))
+        count = sum(math.prod(len(o) for o in opts) for _, _, opts in layouts)
+        if count > self.max_candidates:
+            raise ConfigError(
+                f"planner {self.name} searches exhaustively: at most {self.max_candidates} "
+                f"candidate plans, got {count} ({num} devices, {layers} layers, "
+                f"{micro}-sample micro-batches)"
+            )
+        # Best-first: a layout's bound takes each stage's best split, so it is below
+        # every candidate it expands to; a candidate is simulated only while its own
+        # bound is below the best round found, which loses nothing.
+        heap: list[tuple[float, int, int, tuple[_Shares, ...]]] = []
+        for i, (_, _, opts) in enumerate(layouts):
+            heap.append((_lower_bound([_fastest(o) for o in opts]), i, i, ()))
+        heapq.heapify(heap)
+        seq = len(heap)
         best: tuple[float, list[StageSpec]] | None = None
-        for bound, specs in cands:
+        while heap:
+            bound, _, i, combo = heapq.heappop(heap)
             if best is not None and bound >= best[0]:
-                break  # exact pruning: no later candidate can beat the best
+                break
+            groups, cuts, opts = layouts[i]
+            if not combo:
+                for c in itertools.product(*opts):
+                    heapq.heappush(heap, (_lower_bound(c), seq, i, c))
+                    seq += 1
+                continue
+            specs = [stage(cuts[p], cuts[p + 1], groups[p], c.counts) for p, c in enumerate(combo)]
             plan = Plan(
                 stages=specs,
                 global_batch=global_batch,
@@ -442,15 +473,91 @@ class OptimalPlanner(Planner):
         return finish(self.name, cost, best[1], global_batch, microbatches, memory_aware=True)
 
 
+@dataclass(frozen=True, slots=True)
+class _Shares:
+    """One integer split of a stage's micro-batch and what bounds its round from below.
+
+    `busy` is the slowest member's M forwards and backwards, `first_f` and
+    `first_b` the quickest member's forward and backward of its share, and
+    `reduce` the group's all-reduce.
+    """
+
+    counts: tuple[int, ...]
+    busy: float
+    first_f: float
+    first_b: float
+    reduce: float
+
+
+def _all_shares(
+    cost: CostModel,
+    group: Sequence[str],
+    start: int,
+    end: int,
+    micro: int,
+    in_flight: int,
+    microbatches: int,
+) -> list[_Shares]:
+    """Every split of `micro` samples among `group` (each >= 1) that fits every budget."""
+    reduce = cost.allreduce(group, start, end)
+    out = []
+    for counts in _compositions(micro, len(group)):
+        if any(
+            cost.memory(start, end, c, in_flight) > cost.cluster.device(d).memory_bytes
+            for d, c in zip(group, counts, strict=True)
+        ):
+            continue
+        f = [cost.compute(d, start, end, c, "F") for d, c in zip(group, counts, strict=True)]
+        b = [cost.compute(d, start, end, c, "B") for d, c in zip(group, counts, strict=True)]
+        busy = microbatches * max(x + y for x, y in zip(f, b, strict=True))
+        out.append(_Shares(counts, busy, min(f), min(b), reduce))
+    return out
+
+
+def _fastest(options: Sequence[_Shares]) -> _Shares:
+    """The best of each field over a stage's splits: bounds every one of them."""
+    return _Shares(
+        counts=(),
+        busy=min(o.busy for o in options),
+        first_f=min(o.first_f for o in options),
+        first_b=min(o.first_b for o in options),
+        reduce=min(o.reduce for o in options),
+    )
+
+
+def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every tuple of `parts` positive integers summing to `total`."""
+    for bars in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *bars, total)
+        yield tuple(hi - lo for lo, hi in itertools.pairwise(edges))
+
+
+def _lower_bound(stages: Sequence[_Shares]) -> float:
+    """A round time no schedule of these stages can beat.
+
+    A device of stage p runs its M forwards and backwards one at a time; it
+    cannot start before a forward of every earlier stage produced its first
+    input, and its last backward is followed by a backward of every earlier
+    stage (the gradient flowing back) and by its group's all-reduce.
+    Transfers only add to this.
+    """
+    bound, fill, drain = 0.0, 0.0, 0.0
+    for s in stages:
+        bound = max(bound, fill + s.busy + max(drain, s.reduce))
+        fill += s.first_f
+        drain += s.first_b
+    return bound
+
+
 def _arrangements(devs: Sequence[str], max_parts: int) -> Iterator[list[list[str]]]:
-    """Every ordered partition of every non-empty subset of `devs` into <= max_parts groups."""
+    """Every sequence of <= max_parts ordered groups of distinct devices from `devs`.
+
+    A group's order matters: it decides which samples of a micro-batch each
+    member gets, and so the routes to the neighbouring stages.
+    """
     for size in range(1, len(devs) + 1):
-        for subset in itertools.combinations(devs, size):
-            for labels in itertools.product(range(min(size, max_parts)), repeat=size):
-                used = sorted(set(labels))
-                if used != list(range(len(used))):
-                    continue  # each ordered partition once: groups numbered 0..S-1, none empty
-                yield [
-                    [d for d, g in zip(subset, labels, strict=True) if g == s]
-                    for s in range(len(used))
-                ]
+        for line in itertools.permutations(devs, size):
+            for parts in range(1, min(size, max_parts) + 1):
+                for inner in itertools.combinations(range(1, size), parts - 1):
+                    edges = (0, *inner, size)
+                    yield [list(line[lo:hi]) for lo, hi in itertools.pairwise(edges)]

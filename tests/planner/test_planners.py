@@ -1,5 +1,6 @@
 """Planners: valid plans, memory awareness, errors, quality against the exhaustive optimum."""
 
+import itertools
 import re
 
 import pytest
@@ -66,9 +67,35 @@ def test_every_planner_returns_a_valid_scored_plan(name: str) -> None:
     plan = get_planner(name).plan(cost, 32, 4)
     plan.validate_for(cost.num_layers)
     assert plan.planner == name
-    assert plan.predicted_round_s == pytest.approx(estimate(plan, cost))
-    assert plan.predicted_peak_bytes == cost.plan_memory(plan)
     assert simulate(plan, cost).round_s > 0
+
+
+# Every planner puts a lone device's whole model in one stage. Figures by hand from
+# make_profile (per layer and sample 2^-10 s forward, 2^-9 s backward; 1 MiB of
+# parameters and of optimizer state, 8 KiB of activations): M = 4 micro-batches of
+# 8 samples on 8 layers take 4 x 8 x 8 x 3 x 2^-10 s = 0.75 s; memory is weights and
+# gradients (16 MiB) plus optimizer state (8 MiB) plus K micro-batches of activations,
+# 8 layers x 8 samples x 8 KiB = 512 KiB each, K = 1 under 1F1B and M under GPipe.
+@pytest.mark.parametrize("name", sorted(PLANNERS))
+def test_every_planner_scores_a_lone_device_as_computed_by_hand(name: str) -> None:
+    cost = make_cost({"solo": 1.0})
+    plan = get_planner(name).plan(cost, 32, 4)
+    assert [(s.start, s.end) for s in plan.stages] == [(0, 8)]
+    assert plan.ranges(0) == {"solo": (0, 8)}
+    assert plan.predicted_round_s == 0.75
+    k = 4 if name == "gpipe" else 1
+    assert plan.predicted_peak_bytes == {"solo": 24 * MiB + k * 512 * 1024}
+
+
+def test_estimate_of_a_two_stage_plan_as_computed_by_hand() -> None:
+    # a (slowdown 1) runs layers [0, 2), b (slowdown 2) layers [2, 8), 8-sample
+    # micro-batches, M = 4; 4096 B per sample cross the boundary at 2^20 B/s.
+    # Steps: a 2 x 8 x 3 = 48 units of 2^-10 s; boundary 2 x 8 x 4096 / 2^20 s
+    # = 64 units; b 6 x 8 x 3 x 2 = 288 units. Dominant-step estimate:
+    # sum + (M - 1) x max = 400 + 3 x 288 = 1264 units.
+    cost = make_cost({"a": 1.0, "b": 2.0}, bandwidth=2.0**20)
+    plan = make_plan([(0, 2, {"a": 8}), (2, 8, {"b": 8})], 32, 4)
+    assert estimate(plan, cost) == 1264 * 2.0**-10
 
 
 def test_registry_lists_the_papers_planners() -> None:
@@ -115,6 +142,71 @@ def test_hetpipe_stages_hold_one_device_per_virtual_worker_with_equal_shares() -
     for s in plan.stages:
         assert len(s.devices) == k
         assert {a.share for a in s.devices} == {1}
+
+
+def test_optimal_is_the_fastest_of_every_plan_simulated_one_by_one() -> None:
+    # Three devices, three layers, 4-sample micro-batches: few enough plans to simulate
+    # all of them here (any subset and order of devices, any layer cut, any split of
+    # the samples, at least one each), so the pruned search must find their minimum.
+    profile = layered_profile(
+        forward_s=[3e-3, 1e-3, 2e-3],
+        out_bytes=[8 << 10, 4 << 10, 1 << 10],
+        act_bytes=[32 << 10] * 3,
+        param_bytes=[256 << 10] * 3,
+        batch_sizes=(1, 2, 4),
+        exponent=0.8,
+    )
+    cost = hetero_cost([("x", 1.0, 1 << 30), ("y", 2.0, 1 << 30), ("z", 3.0, 1 << 30)], profile)
+    plans = []
+    for order in itertools.chain.from_iterable(itertools.permutations("xyz", n) for n in (1, 2, 3)):
+        for cuts in itertools.product([0, 1], repeat=len(order) - 1):  # 1: new stage here
+            groups: list[list[str]] = [[order[0]]]
+            for d, new in zip(order[1:], cuts, strict=True):
+                groups.append([d]) if new else groups[-1].append(d)
+            if len(groups) > 3:
+                continue
+            for inner in itertools.combinations([1, 2], len(groups) - 1):
+                bounds = [0, *inner, 3]
+                splits = [
+                    [c for c in itertools.product(range(1, 5), repeat=len(g)) if sum(c) == 4]
+                    for g in groups
+                ]
+                for shares in itertools.product(*splits):
+                    stages = [
+                        (bounds[p], bounds[p + 1], dict(zip(g, sh, strict=True)))
+                        for p, (g, sh) in enumerate(zip(groups, shares, strict=True))
+                    ]
+                    plans.append(make_plan(stages, 16, 4))
+    fastest = min(simulate(p, cost).round_s for p in plans)
+    best = get_planner("optimal").plan(cost, 16, 4)
+    assert len(plans) > 100
+    assert simulate(best, cost).round_s == fastest
+
+
+def test_optimal_finds_a_split_algorithm_1_does_not() -> None:
+    # Algorithm 1 gives the d1/d2 group the split with the shortest step (5:3); under
+    # the backward-first scheduler 6:2 lets d0 forward micro-batch 3 earlier and the
+    # round is about 12% shorter. An optimum taking its shares from `balance` missed it.
+    profile = layered_profile(
+        forward_s=[2**-7, 3 * 2**-9, 2**-8, 0.0064941654737151865, 1e-3],
+        out_bytes=[1024] * 5,
+        act_bytes=[1024] * 5,
+        param_bytes=[16384] * 5,
+        batch_sizes=(1, 4, 16),
+        exponent=0.75,
+    )
+    cost = hetero_cost(
+        [("d0", 1.0, 327680), ("d1", 2.0, 327680), ("d2", 3.0, 327680)],
+        profile,
+        bandwidth=1e7,
+        links={"d0|d1": 1e6, "d0|d2": 1e6, "d1|d2": 1e6},
+    )
+    got = balance(cost, ["d1", "d2"], 3, 5, 8, 1)
+    assert got is not None and got.counts == (5, 3)
+    best = get_planner("optimal").plan(cost, 32, 4)
+    assert describe(best) == [(0, 3, {"d0": 8}), (3, 5, {"d1": 6, "d2": 2})]
+    five_three = make_plan([(0, 3, {"d0": 8}), (3, 5, {"d1": 5, "d2": 3})], 32, 4)
+    assert simulate(best, cost).round_s < 0.9 * simulate(five_three, cost).round_s
 
 
 def test_optimal_refuses_large_instances() -> None:
@@ -267,10 +359,12 @@ def small_instances(draw: st.DrawFn) -> CostModel:
     return hetero_cost(devices, profile, bandwidth=1e7, links=links)
 
 
-# Observed over 300 seeded random instances of this shape: 296 within 5% of the optimum,
-# the worst 6.3% above. Asteroid ranks plans by the dominant-step estimate, which is off
-# the simulated 1F1B round by up to -10%/+55% (tests/planner/test_simulator.py); the
-# simulator-scored shortlist and polish (services/planner/_polish.py) close most of it.
+# `optimal` tries every integer split itself (not Algorithm 1's) and every order inside
+# a group; the simulator that scores both is pinned by hand-computed closed forms
+# (tests/planner/test_simulator.py). Observed over 380 random instances of this shape:
+# Asteroid found the optimum itself in most, 16 were more than 5% above it, the worst
+# 12% (instances where the backward-first scheduler rewards a split Algorithm 1's
+# step balance never picks and the polish's one-sample moves do not reach).
 @settings(derandomize=True, max_examples=40, deadline=None)
 @given(small_instances())
 def test_asteroid_is_within_5_percent_of_the_exhaustive_optimum(cost: CostModel) -> None:

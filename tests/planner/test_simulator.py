@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from common.errors import PlanError
 from services.planner.simulator import SimResult, estimate, simulate
 from services.planner.timeline import draw_timeline
-from tests.planner.fixtures import make_cost, make_plan, make_profile
+from tests.planner.fixtures import MiB, hetero_cost, make_cost, make_plan, make_profile
 
 F, B = 2.0**-10, 2.0**-9  # per layer and sample
 NO_COMM = make_profile(out_bytes=0)
@@ -95,6 +95,97 @@ def test_balanced_pipeline_estimate_is_exact() -> None:
     cost = make_cost(dict.fromkeys(names, 1.0), profile=NO_COMM)
     plan = make_plan([(2 * i, 2 * i + 2, {names[i]: 1}) for i in range(4)], 32, 8)
     assert estimate(plan, cost) == simulate(plan, cost).round_s
+
+
+# --- closed forms derived by hand ----------------------------------------------------
+# Every expected figure below is worked out from the profile's numbers (F, B per layer
+# and sample, slowdowns, bytes, bandwidths), not from CostModel, so the simulator is
+# pinned independently of the cost code it shares with the planners. The optimizer
+# step is not simulated (SimResult.round_s), so no closed form has a step term.
+# Time unit: 1/1024 s. With make_profile, one layer on one sample at slowdown 1 takes
+# F = 1 unit forward and B = 2 units backward; out_bytes=4096 per sample.
+U = 2.0**-10
+
+
+def two_stage(slow: tuple[float, float], m: int, bandwidth: float) -> tuple[SimResult, float]:
+    """Device a runs layers [0, 4), device b layers [4, 8); 4-sample micro-batches."""
+    cost = make_cost({"a": slow[0], "b": slow[1]}, bandwidth=bandwidth)
+    res = simulate(make_plan([(0, 4, {"a": 4}), (4, 8, {"b": 4})], 4 * m, m), cost)
+    check_rules(res, m)
+    return res, cost.transfer("a", "b", 4 * 4096)
+
+
+@pytest.mark.parametrize("m", [4, 8])
+def test_two_stage_pipeline_with_a_slow_last_stage_is_classic_1f1b(m: int) -> None:
+    # a: f0 = 4 layers x 4 samples x F = 16, b0 = 32. b (2x slower): f1 = 32, b1 = 64.
+    # Link: 4 samples x 4096 B at 2^20 B/s = 1/64 s = c = 16 units, each direction.
+    # The last stage is the bottleneck (f1+b1 = 96 > f0+b0 = 48, > c): once mb 0
+    # arrived (f0 + c) it runs F,B of every micro-batch back to back, because a
+    # (K_0 = 3) has mb j+1 there long before: a needs 2c + b0 + f0 = 80 < 2 x 96
+    # to refill after each backward. Then the last gradient returns (c) and a runs
+    # its backward (b0): the classic (M-1) x max step + first micro-batch's path,
+    # path = f0 + c + f1 + b1 + c + b0 = 16 + 16 + 32 + 64 + 16 + 32 = 176.
+    res, c = two_stage((1.0, 2.0), m, bandwidth=2.0**20)
+    assert c == 16 * U
+    assert res.round_s == ((m - 1) * 96 + 176) * U
+
+
+@pytest.mark.parametrize(("m", "expected"), [(1, 11), (2, 15), (3, 19)])
+def test_two_stage_pipeline_with_a_slow_first_stage(m: int, expected: int) -> None:
+    # Unit here 1/64 s. a (2x slower): f0 = 2, b0 = 4; b: f1 = 1, b1 = 2; c = 1.
+    # With M <= K_0 = 3, a forwards all M first (M x f0), then backwards. Its first
+    # backward waits for the round trip f0 + c + f1 + b1 + c = 7; gradients then
+    # come every f1 + b1 = 3 < b0, so its M backwards run back to back:
+    # round = max(M x f0, 7) + M x b0 -> M=1: 7+4 = 11, M=2: 7+8 = 15, M=3: 7+12 = 19.
+    # (The classic (M-1) x 6 + 11 would say 17 and 23: a's warm-up forwards overlap.)
+    res, c = two_stage((2.0, 1.0), m, bandwidth=2.0**20)
+    assert c == 2.0**-6
+    assert res.round_s == expected * 2.0**-6
+
+
+def test_data_parallel_group_pays_its_ring_allreduce_over_the_slowest_link() -> None:
+    # One stage of 8 layers on a, b, c (8-sample micro-batches, shares 4:2:2, slowdowns
+    # 1, 2, 2): a's step is 8 layers x 4 samples x (F+B) = 96 units, b's and c's
+    # 8 x 2 x 2 x 3 = 96 too; M = 2 micro-batches -> 192 units of compute on every
+    # device. Then the ring all-reduce: 2(n-1) = 4 steps, each one latency plus a
+    # 1/n chunk of the 8 MiB of parameters over the slowest ring link (b|c, 2^27 B/s):
+    # 4 x (1 ms + 8 MiB / 3 / 2^27 B/s).
+    profile = make_profile()
+    cost = hetero_cost(
+        [("a", 1.0, 1 << 30), ("b", 2.0, 1 << 30), ("c", 2.0, 1 << 30)],
+        profile,
+        bandwidth=2.0**30,
+        links={"b|c": 2.0**27},
+        latency_s=1e-3,
+    )
+    res = simulate(make_plan([(0, 8, {"a": 4, "b": 2, "c": 2})], 16, 2), cost)
+    check_rules(res, 2)
+    allreduce = 4 * (1e-3 + 8 * MiB / 3 / 2.0**27)
+    assert res.round_s == pytest.approx(192 * U + allreduce, rel=1e-12)
+    assert {(e.device, e.start) for e in res.events if e.kind == "allreduce"} == {
+        (d, 192 * U) for d in "abc"
+    }
+
+
+@pytest.mark.parametrize(("shares", "expected"), [((3, 1), 240), ((2, 2), 456)])
+def test_heterogeneous_shares_set_the_bottleneck_of_a_pipeline(
+    shares: tuple[int, int], expected: int
+) -> None:
+    # Stage 0: a (slowdown 1) on layers [0, 2) with all 4 samples: f0 = 8, b0 = 16.
+    # Stage 1: layers [2, 8) split between b (slowdown 1) and c (slowdown 3); no
+    # activation bytes, so transfers are free. Shares 3:1 -> b: 6 x 3 x 3 = 54 per
+    # F+B, c: 6 x 1 x 3 x 3 = 54; shares 2:2 -> c: 6 x 2 x 3 x 3 = 108 (b: 36).
+    # Stage 1 is the bottleneck: round = f0 + M x step1 + max(b0, all-reduce of
+    # stage 1), the all-reduce being 2 x (6 MiB / 2 / 2^30 B/s) = 6 units.
+    # M = 4: 3:1 -> 8 + 216 + 16 = 240; 2:2 -> 8 + 432 + 16 = 456.
+    cost = make_cost({"a": 1.0, "b": 1.0, "c": 3.0}, bandwidth=2.0**30, profile=NO_COMM)
+    b, c = shares
+    plan = make_plan([(0, 2, {"a": 4}), (2, 8, {"b": b, "c": c})], 16, 4)
+    res = simulate(plan, cost)
+    check_rules(res, 4)
+    assert res.round_s == expected * U
+    ar = [e for e in res.events if e.kind == "allreduce"]
+    assert {e.end - e.start for e in ar} == {6 * U}
 
 
 # --- data parallelism inside a group ------------------------------------------------

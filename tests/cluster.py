@@ -171,7 +171,7 @@ class LocalCluster:
         # made at the start of a test; pass the `budget` fixture where the timeout differs
         self.budget = budget or Budget(GLOBAL_TIMEOUT_S - CLEANUP_MARGIN_S)
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         path = self.tmp / f"{name}.log"
         with path.open("wb") as log:
             proc = subprocess.Popen(
@@ -190,7 +190,7 @@ class LocalCluster:
         faults = faults or {}
         for name in names:
             module = "tests.faulty_worker" if name in faults else "services.worker.main"
-            self._spawn(name, ["-m", module, *faults.get(name, []), "--device", name])
+            self.spawn(name, ["-m", module, *faults.get(name, []), "--device", name])
             self.workers.append(name)
 
     def write(self, name: str, data: Any) -> Path:
@@ -201,7 +201,7 @@ class LocalCluster:
     def start_coordinator(
         self, job: dict[str, Any], plan: dict[str, Any]
     ) -> subprocess.Popen[bytes]:
-        return self._spawn(
+        return self.spawn(
             "coordinator",
             [
                 "-m",

@@ -19,7 +19,7 @@ POLITE = "import time; print('polite', flush=True); time.sleep(120)"
 
 
 def _child(local: LocalCluster, name: str, code: str, worker: bool = True):
-    proc = local._spawn(name, ["-c", code])
+    proc = local.spawn(name, ["-c", code])
     if worker:
         local.workers.append(name)
     return proc

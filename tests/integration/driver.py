@@ -16,12 +16,14 @@ from common.codec import Limits, recv_message, send_message
 from common.errors import ProtocolError
 from common.messages import Heartbeat, Message, WorkerError
 from common.sockets import bind_router
+from tests.cluster import Budget
 
 
 class Driver:
     """Binds the coordinator address; collects heartbeats and replies."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, budget: Budget | None = None) -> None:
+        self.budget = budget or Budget()
         self.limits = Limits()
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.sock, _ = bind_router(self.ctx, addr, self.limits)
@@ -45,7 +47,7 @@ class Driver:
 
     def wait_for(self, devices: list[str], timeout_s: float = 60) -> dict[str, str]:
         """Data-plane addresses of `devices`, once each has sent a heartbeat."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.budget.left(timeout_s)
         while missing := [d for d in devices if d not in self.data_addrs]:
             assert time.monotonic() < deadline, f"workers {missing} did not join"
             self.pump(0.1)
@@ -60,7 +62,7 @@ class Driver:
     ) -> dict[str, Any]:
         """One `kind` reply of (epoch, round) per device; a WorkerError fails the test."""
         got: dict[str, Any] = {}
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.budget.left(timeout_s)
         while len(got) < len(devices):
             assert time.monotonic() < deadline, f"no {kind.__name__} from {set(devices) - set(got)}"
             self.pump(0.05)

@@ -57,7 +57,7 @@ BAD = {
 }
 
 
-def _wait_running(store: Store, job: str, timeout_s: float = 120) -> None:
+def _wait_running(store: Store, job: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if store.get_fields("job", job).get("round", 0) >= 2:
@@ -76,8 +76,8 @@ def _blast(ctx: zmq.Context, addr: str) -> None:
     sock.close()
 
 
-def test_bad_messages_mid_round_are_logged_and_survived(tmp_path, redis_url, cluster_name):
-    cluster = LocalCluster(tmp_path, redis_url, cluster_name)
+def test_bad_messages_mid_round_are_logged_and_survived(tmp_path, redis_url, cluster_name, budget):
+    cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
     stages = PLANS["hybrid"]
     job = {
         "job_id": "bad",
@@ -91,12 +91,12 @@ def test_bad_messages_mid_round_are_logged_and_survived(tmp_path, redis_url, clu
     ctx = zmq.Context()
     try:
         cluster.start_workers(["a", "b", "c", "d", "e"])
-        proc = cluster.start_coordinator(job, plan)
-        _wait_running(store, "bad")
+        cluster.start_coordinator(job, plan)
+        _wait_running(store, "bad", budget.left(120))
         target = store.get_fields("device", "c")["data_addr"]
         _blast(ctx, target)
         _blast(ctx, cluster.addr)
-        assert proc.wait(timeout=240) == 0, cluster.log("coordinator")
+        assert cluster.wait("coordinator", 240) == 0, cluster.log("coordinator")
         cluster.wait_workers_exit()
         rounds_done = store.get_fields("job", "bad")["round"]
         weights = load_full_state(store, "bad", ROUNDS)

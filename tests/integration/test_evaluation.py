@@ -53,7 +53,7 @@ ROUNDS = 4
 EPOCH = 1
 
 
-def test_eval_through_hybrid_pipeline_matches_reference(tmp_path, redis_url, cluster_name):
+def test_eval_through_hybrid_pipeline_matches_reference(tmp_path, redis_url, cluster_name, budget):
     job = JobSpec.model_validate(
         {
             "job_id": "ev",
@@ -68,8 +68,8 @@ def test_eval_through_hybrid_pipeline_matches_reference(tmp_path, redis_url, clu
     devices = [str(d) for d in plan.devices]
     last = [str(a.device) for a in plan.stages[-1].devices]
     leaders = [str(st.devices[0].device) for st in plan.stages]
-    cluster = LocalCluster(tmp_path, redis_url, cluster_name)
-    driver = Driver(cluster.addr)
+    cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
+    driver = Driver(cluster.addr, budget)
     store = Store(redis_url, cluster_name)
 
     def evaluate(round_no, batches):

@@ -65,8 +65,8 @@ def _job(job_id: str, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def cluster(tmp_path, redis_url, cluster_name):
-    c = LocalCluster(tmp_path, redis_url, cluster_name)
+def cluster(tmp_path, redis_url, cluster_name, budget):
+    c = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
     yield c
     c.close()
 
@@ -84,22 +84,12 @@ def _coordinator(
     """A coordinator running `job` with `flags` (LocalCluster's own always passes a plan)."""
     spec = str(cluster.write(f"{name}.yaml", job))
     args = ["-m", "services.coordinator.main", "--bind", cluster.addr, "--job", spec, *flags]
-    return cluster._spawn(name, args)
+    return cluster.spawn(name, args)
 
 
-def _exit_code(cluster: LocalCluster, proc: subprocess.Popen[bytes], name: str) -> int:
-    try:
-        return proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError(f"{name} did not exit within 90 s:\n{cluster.log(name)}") from None
-
-
-def _failed(
-    cluster: LocalCluster, store: Store, proc: subprocess.Popen[bytes], name: str, job_id: str
-) -> str:
+def _failed(cluster: LocalCluster, store: Store, name: str, job_id: str) -> str:
     """The error job `job_id` failed with, checked against the coordinator's exit and log."""
-    code = _exit_code(cluster, proc, name)
+    code = cluster.wait(name, 90)
     assert code == ExitCode.JOB_FAILED, (code, cluster.log(name))
     record = store.get_fields("job", job_id)
     assert record.get("state") == "failed", (record, cluster.log(name))
@@ -115,29 +105,19 @@ def _wait_logged(cluster: LocalCluster, name: str, event: str, timeout_s: float 
         time.sleep(0.1)
 
 
-def _exit_cleanly(cluster: LocalCluster, names: list[str], timeout_s: float = 20) -> None:
-    """Workers told to shut down do so, even when their round was blocked."""
-    for name in names:
-        try:
-            code = cluster.procs[name].wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{name} still runs:\n{cluster.log(name)}") from None
-        assert code == 0, cluster.log(name)
-
-
 def test_join_timeout_and_min_workers_shortfall_name_who_is_missing(cluster, store):
     cluster.env["ASTEROID_JOIN_TIMEOUT_S"] = "2"
     cluster.start_workers(["a"])
     _wait_logged(cluster, "a", "worker started")
 
     plan = str(cluster.write("plan.json", PIPELINE))
-    proc = _coordinator(cluster, "coord-plan", _job("join"), "--plan", plan)
-    error = _failed(cluster, store, proc, "coord-plan", "join")
+    _coordinator(cluster, "coord-plan", _job("join"), "--plan", plan)
+    error = _failed(cluster, store, "coord-plan", "join")
     assert error == "workers ['b'] did not join within 2 s (joined: ['a'])"
 
     job = _job("few", global_batch=8, min_workers=2)
-    proc = _coordinator(cluster, "coord-planned", job)
-    error = _failed(cluster, store, proc, "coord-planned", "few")
+    _coordinator(cluster, "coord-planned", job)
+    error = _failed(cluster, store, "coord-planned", "few")
     assert error == "min_workers: 2 workers wanted, 1 joined within 2 s (['a'])"
 
 
@@ -146,20 +126,20 @@ def test_a_round_that_never_ends_fails_at_the_round_timeout(cluster, store):
     # wait for them for a minute, the coordinator for a round only 3 s
     cluster.env.update({"ASTEROID_TASK_TIMEOUT_S": "60", "ASTEROID_ROUND_TIMEOUT_S": "3"})
     cluster.start_workers(["a", "b"], faults={"b": ["--fault", "cut-data", "--fault-round", "1"]})
-    proc = cluster.start_coordinator(_job("slow"), PIPELINE)
-    error = _failed(cluster, store, proc, "coordinator", "slow")
+    cluster.start_coordinator(_job("slow"), PIPELINE)
+    error = _failed(cluster, store, "coordinator", "slow")
     # b is the last stage: it has what it needs; a waits for b's gradients
     assert error == "no RoundDone of round 1 from ['a'] within 3 s"
     assert store.get_fields("job", "slow")["round"] == 1
-    _exit_cleanly(cluster, ["a", "b"])  # their rounds were blocked on the data plane
+    cluster.wait_workers_exit(names=["a", "b"])  # their rounds were blocked on the data plane
 
 
 def test_a_cut_data_link_fails_the_job_at_the_task_timeout(cluster, store):
     # the control plane stays up, so only the workers' own wait can notice
     cluster.env["ASTEROID_TASK_TIMEOUT_S"] = "3"
     cluster.start_workers(["a", "b"], faults={"a": ["--fault", "cut-data", "--fault-round", "1"]})
-    proc = cluster.start_coordinator(_job("cut"), PIPELINE)
-    error = _failed(cluster, store, proc, "coordinator", "cut")
+    cluster.start_coordinator(_job("cut"), PIPELINE)
+    error = _failed(cluster, store, "coordinator", "cut")
     # both sides of the link wait for each other; whichever gives up first is reported
     assert error in (
         "worker a failed in round 1: RoundTimeoutError: waited 3 s for gradients of "
@@ -168,19 +148,19 @@ def test_a_cut_data_link_fails_the_job_at_the_task_timeout(cluster, store):
         "micro-batch 0 from stage 0",
     )
     assert store.get_fields("job", "cut")["round"] == 1
-    _exit_cleanly(cluster, ["a", "b"])
+    cluster.wait_workers_exit(names=["a", "b"])
 
 
 def test_an_error_inside_a_round_fails_the_job_naming_the_worker(cluster, store):
     fail = ["--fault", "fail-round", "--fault-stage", "1", "--fault-round", "1"]
     cluster.start_workers(["a", "b"], faults={"b": fail})
-    proc = cluster.start_coordinator(_job("err"), PIPELINE)
-    error = _failed(cluster, store, proc, "coordinator", "err")
+    cluster.start_coordinator(_job("err"), PIPELINE)
+    error = _failed(cluster, store, "coordinator", "err")
     assert error == (
         "worker b failed in round 1: RuntimeError: injected fault in round 1 on stage 1"
     )
     assert store.get_fields("job", "err")["round"] == 1
-    _exit_cleanly(cluster, ["a", "b"])  # a's round waited for b's gradients
+    cluster.wait_workers_exit(names=["a", "b"])  # a's round waited for b's gradients
 
 
 def test_a_member_killed_mid_all_reduce_fails_the_job_and_its_peers_recover(cluster, store):
@@ -188,11 +168,11 @@ def test_a_member_killed_mid_all_reduce_fails_the_job_and_its_peers_recover(clus
     stall = ["--fault", "stall-allreduce", "--fault-round", "1"]
     cluster.start_workers(["a", "b", "c"], faults={"b": stall})
     plan = str(cluster.write("plan.json", GROUP))
-    proc = _coordinator(cluster, "coordinator", _job("dp"), "--plan", plan)  # workers stay
+    _coordinator(cluster, "coordinator", _job("dp"), "--plan", plan)  # workers stay
     _wait_logged(cluster, "b", STALL_EVENT)
     cluster.procs["b"].send_signal(signal.SIGKILL)  # a and c wait in the all-reduce for b
 
-    error = _failed(cluster, store, proc, "coordinator", "dp")
+    error = _failed(cluster, store, "coordinator", "dp")
     assert error == (
         "workers ['b'] stopped heartbeating while the coordinator waited for RoundDone of round 1"
     )
@@ -206,20 +186,20 @@ def test_a_member_killed_mid_all_reduce_fails_the_job_and_its_peers_recover(clus
     # and they serve the next job, a group of the two of them
     again = {**GROUP, "stages": [stage(0, 3, "a", "c")]}
     plan = str(cluster.write("again.json", again))
-    proc = _coordinator(cluster, "again", _job("after", rounds=2), "--plan", plan)
-    assert _exit_code(cluster, proc, "again") == ExitCode.OK, cluster.log("again")
+    _coordinator(cluster, "again", _job("after", rounds=2), "--plan", plan)
+    assert cluster.wait("again", 90) == ExitCode.OK, cluster.log("again")
 
 
 def test_profiler_failure_timeout_and_no_planner_name_the_service(cluster, store):
     cluster.env.update({"ASTEROID_REPEATS": "1", "ASTEROID_WARMUP": "0"})  # quick profiles
     cluster.start_workers(["a"])
-    profiler = cluster._spawn("profiler", ["-m", "services.profiler.main", "--serve"])
+    profiler = cluster.spawn("profiler", ["-m", "services.profiler.main", "--serve"])
     name = f"profiler-{socket.gethostname()}-{profiler.pid}"
     here = __name__
 
     job = _job("broken", model={"name": f"{here}:unprofilable"}, global_batch=2, micro_batch=1)
-    proc = _coordinator(cluster, "coord-broken", job)
-    error = _failed(cluster, store, proc, "coord-broken", "broken")
+    _coordinator(cluster, "coord-broken", job)
+    error = _failed(cluster, store, "coord-broken", "broken")
     assert error == (
         f"profiling for worker a failed on {name}: layer 1 failed on a batch of 1: "
         "mat1 and mat2 shapes cannot be multiplied (1x3072 and 10x10)"
@@ -227,8 +207,8 @@ def test_profiler_failure_timeout_and_no_planner_name_the_service(cluster, store
 
     # profiled, then nobody plans it
     job = _job("unplanned", global_batch=2, micro_batch=1)
-    proc = _coordinator(cluster, "coord-unplanned", job, "--plan-timeout-s", "1")
-    error = _failed(cluster, store, proc, "coord-unplanned", "unplanned")
+    _coordinator(cluster, "coord-unplanned", job, "--plan-timeout-s", "1")
+    error = _failed(cluster, store, "coord-unplanned", "unplanned")
     assert error == (
         f"no planner service joined within 1 s (start asteroid-planner with --coordinator "
         f"{cluster.addr})"
@@ -238,6 +218,6 @@ def test_profiler_failure_timeout_and_no_planner_name_the_service(cluster, store
 
     fingerprint = store.get_fields("device", "a")["fingerprint"]
     job = _job("slow", model={"name": f"{here}:slow_to_profile"}, global_batch=2, micro_batch=1)
-    proc = _coordinator(cluster, "coord-slow", job, "--profile-timeout-s", "3")
-    error = _failed(cluster, store, proc, "coord-slow", "slow")
+    _coordinator(cluster, "coord-slow", job, "--profile-timeout-s", "3")
+    error = _failed(cluster, store, "coord-slow", "slow")
     assert error == f"{name} did not send the profile of {fingerprint} within 3 s"

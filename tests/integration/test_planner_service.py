@@ -58,7 +58,7 @@ def test_coordinator_gets_plan_from_planner_service(tmp_path, redis_url, cluster
             bind=local.addr, redis_url=redis_url, cluster=cluster_name, heartbeat_s=0.3
         )
     )
-    planner = local._spawn("planner", ["-m", "services.planner.service"])
+    planner = local.spawn("planner", ["-m", "services.planner.service"])
     try:
         req = PlanRequest(
             job_id="p1",

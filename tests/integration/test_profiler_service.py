@@ -38,7 +38,7 @@ def test_profiler_service_answers_and_stops_on_sigterm(tmp_path, redis_url, clus
     ctx: zmq.Context[Any] = zmq.Context()
     router, _ = bind_router(ctx, local.addr, Limits())
     store = Store(redis_url, cluster_name)
-    proc = local._spawn(
+    proc = local.spawn(
         "profiler",
         ["-m", "services.profiler.main", "--serve", "--repeats", "1", "--warmup", "0"],
     )

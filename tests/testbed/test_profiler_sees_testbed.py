@@ -64,12 +64,12 @@ def spec(subnet: str, bandwidth: float) -> TestbedSpec:
     return TestbedSpec.model_validate({"name": "prof", "subnet": subnet, "devices": devices})
 
 
-def test_half_the_quota_profiles_twice_as_slow(tmp_path, subnet, tag):
+def test_half_the_quota_profiles_twice_as_slow(tmp_path, subnet, tag, budget):
     with Testbed(spec(subnet, 1e9), tmp_path, tag=tag) as tb:
         tb.up(services=False)
         seen = {}
         for dev in ("half", "quarter"):  # one after the other: no contention between them
-            res = tb.run(dev, [sys.executable, "-c", PROFILE], timeout_s=300)
+            res = tb.run(dev, [sys.executable, "-c", PROFILE], timeout_s=budget.left(300))
             assert res.returncode == 0, res.stderr[-2000:]
             seen[dev] = json.loads(res.stdout.strip().splitlines()[-1])
     assert seen["half"]["quota"] == pytest.approx(0.5)

@@ -13,6 +13,7 @@ that what each stage holds at every moment is deterministic.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -129,8 +130,9 @@ class LocalPipeline:
         ]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 120  # one bound for the whole round, not per thread
         for t in threads:
-            t.join(timeout=120)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         if errors:
             raise errors[0]
         assert len(results) == len(self.runners), "a runner did not finish"

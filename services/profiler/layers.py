@@ -21,6 +21,7 @@ from torch import nn
 from common.data import dataset_for, split_indices
 from common.errors import ConfigError
 from common.profile import LayerProfile, Profile
+from common.saved_bytes import SavedBytes
 from common.zoo import ModelSpec, build_model
 from services.profiler.device import device_fingerprint
 
@@ -98,36 +99,6 @@ def auto_batch_sizes(per_sample: int, fixed: int, budget: int, cap: int = 256) -
     return sizes
 
 
-class _SavedBytes:
-    """Sums the bytes autograd saves for backward, once per storage, weights excluded.
-
-    Saved tensors are what a layer keeps alive between its forward and backward
-    (inputs, outputs or intermediates, depending on the ops); weights and buffers
-    are saved too but live as long as the model does, so their storages are skipped.
-    """
-
-    def __init__(self, layer: nn.Module) -> None:
-        state = [*layer.parameters(), *layer.buffers()]
-        self.skip = {t.untyped_storage().data_ptr() for t in state}
-        self.seen: set[int] = set()
-        self.total = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            storage = t.untyped_storage()
-            ptr, size = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # tensors without a plain storage
-            ptr, size = id(t), _nbytes(t)
-        if ptr not in self.skip and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.total += size
-        return t
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-
 def _footprint(layers: list[nn.Module], x: torch.Tensor) -> int:
     """Most bytes per sample any one layer needs while profiled on batch `x`.
 
@@ -137,7 +108,7 @@ def _footprint(layers: list[nn.Module], x: torch.Tensor) -> int:
     worst = 0
     batch = x.shape[0]
     for layer in layers:
-        saved = _SavedBytes(layer)
+        saved = SavedBytes(layer)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             out = layer(x.detach().requires_grad_(x.is_floating_point()))
         need = 2 * _nbytes(x) + 2 * _nbytes(out) + saved.total
@@ -295,7 +266,7 @@ def _measure(
     costs (kernel set-up, allocator growth) are paid by then, and at large
     batches another run would only make the profile slower.
     """
-    saved = _SavedBytes(layer)
+    saved = SavedBytes(layer)
     t0 = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         out = layer(x)

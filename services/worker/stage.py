@@ -25,6 +25,7 @@ from common.job import OptimizerSpec, learning_rate
 from common.job_data import open_data
 from common.messages import Activation, Assign, Gradient, ReduceChunk, StageTimings
 from common.plan import routes
+from common.saved_bytes import SavedBytes
 from common.store import Store
 from common.zoo import build_model
 from services.worker.allreduce import ring_allreduce
@@ -106,39 +107,6 @@ class RoundState:
     timings: dict[str, float] = field(
         default_factory=lambda: {"forward_s": 0.0, "backward_s": 0.0, "wait_s": 0.0}
     )
-
-
-class _KeptBytes:
-    """Counts what one micro-batch keeps from its forward until its backward.
-
-    That is autograd's saved tensors (through saved-tensor hooks) and the
-    input and output the runner holds. Distinct storages count once; the
-    module's weights and buffers are skipped (held whatever the schedule).
-    All of it is let go when the backward has run, so the count is released then.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        state = [*module.parameters(), *module.buffers()]
-        self.skip = {t.untyped_storage().data_ptr() for t in state}
-        self.seen: set[int] = set()
-        self.total = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """Count `t`'s storage unless seen or a weight; autograd keeps `t` itself."""
-        try:
-            storage = t.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # no plain storage (e.g. sparse)
-            key, size = id(t), t.numel() * t.element_size()
-        if key not in self.skip and key not in self.seen:
-            self.seen.add(key)
-            self.total += size
-        return t
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        """Give autograd back the tensor it saved."""
-        return t
 
 
 class StageRunner:
@@ -234,7 +202,7 @@ class StageRunner:
         c0 = time.perf_counter()
         mb = action.mb
         if action.kind == "F":
-            kept = _KeptBytes(self.module)
+            kept = SavedBytes(self.module)
             with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
                 state.ctx[mb] = self._forward(state.round_no, mb, state.res)
             for t in state.ctx[mb]:  # the runner keeps input and output for the backward

@@ -11,7 +11,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["SavedBytes"]
+__all__ = ["SavedBytes", "weight_storages"]
+
+
+def weight_storages(module: nn.Module) -> frozenset[int]:
+    """Storages of `module`'s weights and buffers, which `SavedBytes` does not count.
+
+    Computed once per module, not per forward: the storages stay put while it trains.
+    """
+    return frozenset(
+        t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
+    )
 
 
 class SavedBytes:
@@ -23,9 +33,8 @@ class SavedBytes:
     does, so their storages are skipped; a view counts its whole storage.
     """
 
-    def __init__(self, module: nn.Module) -> None:
-        state = [*module.parameters(), *module.buffers()]
-        self.skip = {t.untyped_storage().data_ptr() for t in state}
+    def __init__(self, skip: frozenset[int]) -> None:
+        self.skip = skip
         self.seen: set[int] = set()
         self.total = 0
 

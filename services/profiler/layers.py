@@ -21,7 +21,7 @@ from torch import nn
 from common.data import dataset_for, split_indices
 from common.errors import ConfigError
 from common.profile import LayerProfile, Profile
-from common.saved_bytes import SavedBytes
+from common.saved_bytes import SavedBytes, weight_storages
 from common.zoo import ModelSpec, build_model
 from services.profiler.device import device_fingerprint
 
@@ -108,7 +108,7 @@ def _footprint(layers: list[nn.Module], x: torch.Tensor) -> int:
     worst = 0
     batch = x.shape[0]
     for layer in layers:
-        saved = SavedBytes(layer)
+        saved = SavedBytes(weight_storages(layer))
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             out = layer(x.detach().requires_grad_(x.is_floating_point()))
         need = 2 * _nbytes(x) + 2 * _nbytes(out) + saved.total
@@ -266,7 +266,7 @@ def _measure(
     costs (kernel set-up, allocator growth) are paid by then, and at large
     batches another run would only make the profile slower.
     """
-    saved = SavedBytes(layer)
+    saved = SavedBytes(weight_storages(layer))
     t0 = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         out = layer(x)

@@ -25,7 +25,7 @@ from common.job import OptimizerSpec, learning_rate
 from common.job_data import open_data
 from common.messages import Activation, Assign, Gradient, ReduceChunk, StageTimings
 from common.plan import routes
-from common.saved_bytes import SavedBytes
+from common.saved_bytes import SavedBytes, weight_storages
 from common.store import Store
 from common.zoo import build_model
 from services.worker.allreduce import ring_allreduce
@@ -152,6 +152,7 @@ class StageRunner:
         )
         self.module.load_state_dict(weights)
         self.module.train()
+        self._weights = weight_storages(self.module)  # not counted as held per micro-batch
         self.optimizer = make_optimizer(list(self.module.parameters()), assign.job.optimizer)
         restore_optimizer(self.module, self.optimizer, optim_state)
         self.total_rounds = _job_rounds(assign)
@@ -202,7 +203,7 @@ class StageRunner:
         c0 = time.perf_counter()
         mb = action.mb
         if action.kind == "F":
-            kept = SavedBytes(self.module)
+            kept = SavedBytes(self._weights)
             with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
                 state.ctx[mb] = self._forward(state.round_no, mb, state.res)
             for t in state.ctx[mb]:  # the runner keeps input and output for the backward

@@ -34,6 +34,16 @@ def k_of(p, s, m):
     return max(1, min(2 * (s - p) - 1, m))
 
 
+def _view(p, s, m, nf, alive, fwd_done, bwd_done) -> PoolView:
+    """What stage p's pool shows: its own inputs on stage 0, else what its neighbours sent."""
+    return PoolView(
+        next_forward=nf[p],
+        alive=len(alive[p]),
+        forward_ready=frozenset(range(m)) if p == 0 else frozenset(fwd_done[p - 1]) - fwd_done[p],
+        backward_ready=frozenset(alive[p]) if p == s - 1 else frozenset(bwd_done[p + 1]) & alive[p],
+    )
+
+
 def simulate_dynamic(s, m, policy, ks=None):
     """Run every stage's next_task until done; returns per-stage traces and peak alive."""
     ks = ks or [k_of(p, s, m) for p in range(s)]
@@ -47,16 +57,7 @@ def simulate_dynamic(s, m, policy, ks=None):
     while progress:
         progress = False
         for p in range(s):
-            view = PoolView(
-                next_forward=nf[p],
-                alive=len(alive[p]),
-                forward_ready=frozenset(range(m))
-                if p == 0
-                else frozenset(fwd_done[p - 1]) - fwd_done[p],
-                backward_ready=frozenset(alive[p])
-                if p == s - 1
-                else frozenset(bwd_done[p + 1]) & alive[p],
-            )
+            view = _view(p, s, m, nf, alive, fwd_done, bwd_done)
             a = next_task(view, p, ks[p], m, policy)
             if a is None:
                 continue
@@ -213,22 +214,7 @@ def simulate_ticks(s, m, policy, decide: Decide = next_task):
     trace = [[] for _ in range(s)]
     for _ in range(4 * s * m + 4):  # the longest schedule, with slack
         actions = [
-            decide(
-                PoolView(
-                    next_forward=nf[p],
-                    alive=len(alive[p]),
-                    forward_ready=frozenset(range(m))
-                    if p == 0
-                    else frozenset(fwd_done[p - 1]) - fwd_done[p],
-                    backward_ready=frozenset(alive[p])
-                    if p == s - 1
-                    else frozenset(bwd_done[p + 1]) & alive[p],
-                ),
-                p,
-                ks[p],
-                m,
-                policy,
-            )
+            decide(_view(p, s, m, nf, alive, fwd_done, bwd_done), p, ks[p], m, policy)
             for p in range(s)
         ]
         for p, a in enumerate(actions):

@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: help install demo test test-slow lint fmt typecheck bench bench-edge check clean
+.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge check clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -25,6 +25,16 @@ test:  ## the default suite (unit + integration; starts its own Redis if none an
 
 test-slow:  ## only the slow tests
 	$(PYTEST) -m slow
+
+FUZZ_EXAMPLES ?= 20000
+FUZZ_SECONDS  ?= 600
+
+fuzz:  ## fuzz the wire decoder: hypothesis with many examples, then atheris (extra "fuzz")
+	ASTEROID_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTEST) -p no:cacheprovider --timeout=0 \
+		tests/security/test_fuzz_codec.py
+	@$(BIN)/python -c 'import atheris' 2>/dev/null || \
+		{ echo "atheris is missing: $(BIN)/pip install -e '.[fuzz]'"; exit 1; }
+	$(BIN)/python -m tests.security.fuzz_codec_atheris -max_total_time=$(FUZZ_SECONDS)
 
 lint:  ## ruff lint and format check
 	$(BIN)/ruff check .

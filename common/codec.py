@@ -147,23 +147,28 @@ def _parse_header(raw: bytes, peer: str, limits: Limits) -> tuple[dict[str, Any]
 def _describe(meta: Any, peer: str, limits: Limits) -> tuple[torch.dtype, list[int], int]:
     """Check a header's tensor descriptor: known dtype, sane shape, bounded size."""
     if not (isinstance(meta, list) and len(meta) == 3):
-        raise ProtocolError(f"bad tensor descriptor {meta!r}", peer)
+        raise ProtocolError(f"bad tensor descriptor {str(meta)[:80]}", peer)
     name, shape, nbytes = meta
-    if name not in DTYPES:
-        raise ProtocolError(f"unknown tensor dtype {name!r}", peer)
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ProtocolError(f"unknown tensor dtype {str(name)[:40]!r}", peer)
     if (
         not isinstance(shape, list)
         or len(shape) > limits.max_dims
         or not all(isinstance(d, int) and d >= 0 for d in shape)
     ):
-        raise ProtocolError(f"bad tensor shape {shape!r}", peer)
+        raise ProtocolError(f"bad tensor shape {str(shape)[:80]}", peer)
     dtype = DTYPES[name]
     expected = math.prod(shape) * dtype.itemsize
-    if nbytes != expected:
-        raise ProtocolError(f"tensor of shape {shape} {name} announces {nbytes} bytes", peer)
-    if nbytes > limits.max_tensor_bytes:
+    if not isinstance(nbytes, int) or nbytes != expected:
+        raise ProtocolError(f"tensor of shape {shape} {name} announces {nbytes!r} bytes", peer)
+    # An empty tensor's other dimensions still set its strides: bounded like its bytes,
+    # so that no announced shape makes torch overflow.
+    span = math.prod(max(d, 1) for d in shape) * dtype.itemsize
+    if max(nbytes, span) > limits.max_tensor_bytes:
         raise ProtocolError(
-            f"tensor of {nbytes} bytes exceeds the limit of {limits.max_tensor_bytes}", peer
+            f"tensor of shape {shape} {name} ({nbytes} bytes) exceeds the limit of "
+            f"{limits.max_tensor_bytes} bytes",
+            peer,
         )
     return dtype, shape, nbytes
 

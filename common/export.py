@@ -109,12 +109,17 @@ def _ordered_like(
 
 
 def export_weights(
-    store: Store, job_id: str, path: Path, round_no: int | None = None
+    store: Store,
+    job_id: str,
+    path: Path,
+    round_no: int | None = None,
+    allowed_modules: tuple[str, ...] = (),
 ) -> ExportInfo:
     """Write the whole model of checkpoint `round_no` (default: the newest) to `path`.
 
     The file is written next to `path` and renamed into place, so a reader
-    never sees a half-written export.
+    never sees a half-written export. A `module:factory` model is rebuilt only
+    from `allowed_modules` (the operator's `model_modules` setting).
 
     Raises:
         ConfigError: Unknown suffix or job, no committed checkpoint (of that
@@ -128,7 +133,7 @@ def export_weights(
         )
     spec = _job_spec(store, job_id)
     chosen = _pick_round(store, job_id, round_no)
-    expected = build_model(spec.model, spec.seed).full().state_dict()
+    expected = build_model(spec.model, spec.seed, allowed_modules).full().state_dict()
     saved = load_full_state(store, job_id, chosen)
     state = _ordered_like(expected, saved, f"checkpoint round {chosen} of job {job_id!r}")
     partial = path.with_name(f".{path.name}.partial")

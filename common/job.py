@@ -10,6 +10,7 @@ is started.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -21,20 +22,64 @@ from common.ids import JobId
 from common.zoo import ModelSpec
 
 __all__ = [
+    "JOB_ID_PATTERN",
+    "MAX_BATCH",
+    "MAX_CLASSES",
+    "MAX_ROUNDS",
     "Cifar10Data",
     "DataSpec",
     "JobSpec",
     "OptimizerSpec",
     "ScheduleSpec",
     "SyntheticData",
+    "check_job_id",
     "learning_rate",
     "load_job",
     "validation_message",
 ]
 
 
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+"""A job id: it becomes part of Redis keys (``ckpt:<id>:...``), so it never holds ``:``,
+glob characters (``*?[]``), spaces or a leading dot or dash, and stays short."""
+
+MAX_CLASSES = 100_000
+"""Largest ``model.num_classes``: beyond any real label set, far below what crashes a build."""
+
+MAX_BATCH = 1 << 20
+"""Largest ``global_batch`` (and so ``micro_batch``) a job may ask for."""
+
+MAX_ROUNDS = 1 << 40
+"""Largest ``rounds``; also bounds the seeds' and sizes' integers to sane magnitudes."""
+
+_MAX_SAMPLES = 1 << 40
+_MAX_EVAL = 1 << 24
+_MAX_SEED = 2**63 - 1
+_JOB_ID = re.compile(JOB_ID_PATTERN)
+
+
+def check_job_id(value: object, sender: str = "the request") -> JobId:
+    """Return `value` as a JobId if it matches `JOB_ID_PATTERN`, else raise ConfigError.
+
+    Every boundary that takes a job id from outside (a job file, a SubmitJob or
+    CancelJob, the CLI) calls this, so that no id can widen a Redis key into a
+    pattern or reach into another job's keys.
+
+    Raises:
+        ConfigError: Names the sender, the pattern and the value received.
+
+    """
+    if not isinstance(value, str) or not _JOB_ID.fullmatch(value):
+        raise ConfigError(
+            f"job_id from {sender}: expected 1-64 letters, digits, '.', '_' or '-' starting "
+            f"with a letter or digit (pattern {JOB_ID_PATTERN}), got {value!r}"
+        )
+    return JobId(value)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # no inf or nan: an infinite epochs or lr is never meant, and inf crashes rounding
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class ScheduleSpec(_Strict):
@@ -65,9 +110,14 @@ class SyntheticData(_Strict):
 
     kind: Literal["synthetic"] = "synthetic"
     train_size: int | None = Field(
-        None, ge=1, description="Training samples (None: a fresh sample every time)."
+        None,
+        ge=1,
+        le=_MAX_SAMPLES,
+        description="Training samples (None: a fresh sample every time).",
     )
-    eval_size: int = Field(512, ge=1, description="Held-out samples used by evaluation.")
+    eval_size: int = Field(
+        512, ge=1, le=_MAX_EVAL, description="Held-out samples used by evaluation."
+    )
 
 
 class Cifar10Data(_Strict):
@@ -78,7 +128,7 @@ class Cifar10Data(_Strict):
         description="Folder with data_batch_*.bin (training) and test_batch.bin (held out)."
     )
     eval_size: int | None = Field(
-        None, ge=1, description="Held-out samples used by evaluation (None: all)."
+        None, ge=1, le=_MAX_EVAL, description="Held-out samples used by evaluation (None: all)."
     )
 
 
@@ -88,21 +138,36 @@ DataSpec = Annotated[SyntheticData | Cifar10Data, Field(discriminator="kind")]
 class JobSpec(_Strict):
     """One training job as the coordinator runs it."""
 
-    job_id: JobId = Field(JobId("job"), description="Name of the job; keys its state and weights.")
+    job_id: JobId = Field(
+        JobId("job"),
+        pattern=JOB_ID_PATTERN,
+        description="Name of the job; keys its state and weights (letters, digits, . _ -).",
+    )
     model: ModelSpec = Field(description="Zoo name (or package.module:factory) and options.")
     dataset: DataSpec = Field(SyntheticData(), description="Where samples come from.")
-    seed: int = Field(0, ge=0, description="Seed of the initial weights and of the data order.")
+    seed: int = Field(
+        0, ge=0, le=_MAX_SEED, description="Seed of the initial weights and of the data order."
+    )
     global_batch: int | None = Field(
-        None, ge=1, description="Samples per round (required unless the plan is a file)."
+        None,
+        ge=1,
+        le=MAX_BATCH,
+        description="Samples per round (required unless the plan is a file).",
     )
     micro_batch: int | None = Field(
-        None, ge=1, description="Samples per micro-batch; must divide global_batch."
+        None, ge=1, le=MAX_BATCH, description="Samples per micro-batch; must divide global_batch."
     )
     rounds: int | None = Field(
-        None, ge=1, description="Optimizer steps to run (give rounds or epochs; default 10)."
+        None,
+        ge=1,
+        le=MAX_ROUNDS,
+        description="Optimizer steps to run (give rounds or epochs; default 10).",
     )
     epochs: float | None = Field(
-        None, gt=0, description="Passes over a finite training set (instead of rounds)."
+        None,
+        gt=0,
+        le=1e6,
+        description="Passes over a finite training set (instead of rounds).",
     )
     optimizer: OptimizerSpec = Field(OptimizerSpec(), description="Optimizer and schedule.")
     policy: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule.")
@@ -113,7 +178,16 @@ class JobSpec(_Strict):
     checkpoint_every: int = Field(
         0, ge=0, description="Rounds between checkpoints (0: only the final one)."
     )
-    min_workers: int = Field(1, ge=1, description="Workers to wait for before planning.")
+    min_workers: int = Field(1, ge=1, le=4096, description="Workers to wait for before planning.")
+
+    @field_validator("model")
+    @classmethod
+    def _bounded_classes(cls, v: ModelSpec) -> ModelSpec:
+        # ModelSpec is shared with the profiler; the bound that protects a service from
+        # a job is the job's, so it is checked here, before any layer is allocated.
+        if not 1 <= v.num_classes <= MAX_CLASSES:
+            raise ValueError(f"num_classes must be in [1, {MAX_CLASSES}], got {v.num_classes}")
+        return v
 
     @field_validator("micro_batch")
     @classmethod

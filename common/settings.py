@@ -6,11 +6,15 @@ configuration table are generated from one place.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from common.secrets import mask_url
 
 __all__ = ["CommonSettings", "CoordinatorSettings", "ProfilerSettings", "WorkerSettings"]
 
@@ -42,6 +46,38 @@ class CommonSettings(BaseSettings):
         gt=0,
         description="Largest tensor frame accepted; larger announcements are refused.",
     )
+    model_modules: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="Modules whose package.module:factory models jobs may build, comma "
+        "separated (empty: zoo models only). Importing runs code, so only this setting, "
+        "never a job, allows a module.",
+    )
+
+    def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
+        """Fields as repr() and str() show them: the Redis URL without its password.
+
+        Settings end up in log lines and error messages; the URL itself stays
+        intact for the code that connects with it.
+        """
+        for name, value in super().__repr_args__():
+            yield name, mask_url(value) if name == "redis_url" and isinstance(value, str) else value
+
+    @field_validator("model_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: object) -> object:
+        # "a.b,c" or '["a.b", "c"]' from the environment or a flag; a list from code
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            return value
+        out: list[object] = []
+        for item in items:
+            if isinstance(item, str) and item.lstrip().startswith("["):
+                out.extend(json.loads(item))
+            elif isinstance(item, str):
+                out.extend(m.strip() for m in item.split(",") if m.strip())
+            else:
+                out.append(item)
+        return out
 
 
 class WorkerSettings(CommonSettings):
@@ -73,6 +109,12 @@ class WorkerSettings(CommonSettings):
     )
     task_timeout_s: float = Field(
         120.0, gt=0, description="Longest wait for an activation, gradient or reduce chunk."
+    )
+    pool_max_bytes: int = Field(
+        4 << 30,
+        gt=0,
+        description="Most bytes of received activations, gradients and reduce chunks the "
+        "task pool holds; parts beyond are refused and logged with their sender.",
     )
 
 
@@ -107,6 +149,11 @@ class CoordinatorSettings(CommonSettings):
         "gives the links.",
     )
     resume: bool = Field(False, description="Continue --job from its newest committed checkpoint.")
+    replace: bool = Field(
+        False,
+        description="Let --job reuse an existing job id: its checkpoints, metrics and "
+        "events are deleted first (without it, an existing id is refused).",
+    )
     shutdown_workers: bool = Field(
         False, description="Tell the workers to exit when the --job finishes."
     )

@@ -10,16 +10,20 @@ metrics and checkpoints go through here.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 import redis
 
 from common.errors import StoreError
+from common.secrets import mask_text, mask_url
 
 __all__ = ["Store"]
 
 CHUNK_BYTES = 4 << 20
+_GLOB = re.compile(r"([*?\[\]\\])")
+"""Characters SCAN MATCH treats as a pattern; escaped with a backslash."""
 
 
 class Store:
@@ -27,6 +31,8 @@ class Store:
 
     def __init__(self, url: str, cluster: str) -> None:
         self.prefix = f"asteroid:{cluster}:"
+        self.where = mask_url(url)
+        """The Redis URL with its password hidden: what errors and logs may show."""
         self.r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
 
     def key(self, *parts: object) -> str:
@@ -34,12 +40,12 @@ class Store:
         return self.prefix + ":".join(str(p) for p in parts)
 
     def ping(self) -> None:
-        """Fail fast, with the URL, when Redis does not answer."""
+        """Fail fast, with the URL (its password hidden), when Redis does not answer."""
         try:
             self.r.ping()
         except redis.RedisError as exc:
             raise StoreError(
-                f"Redis at {self.r.connection_pool.connection_kwargs} does not answer: {exc}"
+                f"Redis at {self.where} does not answer: {mask_text(str(exc))}"
             ) from exc
 
     # --- JSON documents -------------------------------------------------------
@@ -84,9 +90,23 @@ class Store:
             )
         return data
 
+    def _under(self, *parts: object) -> Iterator[bytes]:
+        """Keys that start with ``key(*parts)``, compared byte for byte.
+
+        The prefix holds ids that came from outside (job ids, device names), so it is
+        never handed to Redis as a pattern as it is: its glob characters are escaped
+        for SCAN MATCH, and every key is checked against the literal prefix again.
+        """
+        prefix = self.key(*parts)
+        literal = prefix.encode()
+        match = _GLOB.sub(r"\\\1", prefix) + "*"
+        for key in self.r.scan_iter(match=match, count=1000):
+            if key.startswith(literal):
+                yield key
+
     def delete_prefix(self, *parts: object) -> int:
-        """Delete every key under `parts` (cleanup of jobs and tests)."""
-        keys = list(self.r.scan_iter(match=self.key(*parts) + "*", count=1000))
+        """Delete every key whose name starts with ``key(*parts)`` (not a pattern)."""
+        keys = list(self._under(*parts))
         return int(self.r.delete(*keys)) if keys else 0
 
     # --- streams --------------------------------------------------------------
@@ -129,5 +149,5 @@ class Store:
         self.r.close()
 
     def keys(self, *parts: object) -> Iterable[bytes]:
-        """Keys under `parts` (for status and tests)."""
-        return self.r.scan_iter(match=self.key(*parts) + "*", count=1000)
+        """Keys whose name starts with ``key(*parts)`` (for status and tests; not a pattern)."""
+        return self._under(*parts)

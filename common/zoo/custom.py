@@ -8,10 +8,16 @@ layer. For the latter the input is described by options, defaulting to CIFAR ima
 - ``input_shape``: per-sample shape as ``"3x32x32"`` or a single int such as ``64``;
   defaults to ``3x32x32`` for images and ``64`` for tokens;
 - ``vocab_size``: tokens only, default 1000 (the defaults mirror ``bert_small``).
+
+Importing a module runs its code, so a job may only name modules the operator listed
+in the service's own settings (``model_modules``): `check_model_source` refuses any
+other before anything is imported, whatever the job says. What the factory raises,
+``SystemExit`` and ``KeyboardInterrupt`` included, becomes a ConfigError naming the
+model, so that user code ends a job, never a service.
 """
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -20,14 +26,44 @@ from common.errors import ConfigError
 from common.zoo._options import Options
 from common.zoo._types import IMAGE_INPUT, InputSpec, ModelSpec, ZooModel, has_batchnorm
 
-__all__ = ["build_custom", "is_custom_name"]
+__all__ = ["build_custom", "check_model_source", "is_custom_name"]
 
 _INPUT_OPTIONS = frozenset({"input_kind", "input_shape", "vocab_size"})
+
+_USER_CODE_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
+"""What user code may raise that must not escape as such: ``sys.exit()`` in a factory
+(or in the module it imports) would otherwise stop the service that checks a job."""
 
 
 def is_custom_name(name: str) -> bool:
     """Tell whether a model name points at user code rather than the zoo."""
     return ":" in name
+
+
+def check_model_source(name: str, allowed_modules: Collection[str]) -> None:
+    """Refuse a ``module:factory`` name whose module the operator did not allow-list.
+
+    Called before anything is imported: the job names the model, but only the
+    service's own ``model_modules`` setting decides which modules may run. Zoo names
+    pass; a custom name passes only if its module is listed exactly (a listed package
+    does not admit its submodules, and ``os`` or ``sys`` are never implied).
+
+    Raises:
+        ConfigError: Names the field ``model.name``, the module and the setting.
+
+    """
+    if not is_custom_name(name):
+        return
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr or ":" in attr:
+        raise ConfigError(f"custom model {name!r}: name must look like 'package.module:factory'")
+    if module_name not in allowed_modules:
+        listed = ", ".join(sorted(allowed_modules)) or "none"
+        raise ConfigError(
+            f"model.name {name!r}: module {module_name!r} is not in this service's "
+            f"model_modules setting (ASTEROID_MODEL_MODULES / --model-modules; allowed: "
+            f"{listed}); a job cannot allow a module itself"
+        )
 
 
 def _load_factory(spec: ModelSpec) -> Callable[[], object]:
@@ -38,11 +74,16 @@ def _load_factory(spec: ModelSpec) -> Callable[[], object]:
         )
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure is a bad spec, not a crash
+    except _USER_CODE_ERRORS as exc:  # any import-time failure is a bad spec, not a crash
         raise ConfigError(
             f"custom model {spec.name!r}: cannot import module {module_name!r}: {exc!r}"
         ) from exc
-    factory = getattr(module, attr, None)
+    try:
+        factory = getattr(module, attr, None)
+    except _USER_CODE_ERRORS as exc:  # a module __getattr__ is user code too
+        raise ConfigError(
+            f"custom model {spec.name!r}: looking up {attr!r} in {module_name!r} raised {exc!r}"
+        ) from exc
     if not callable(factory):
         raise ConfigError(
             f"custom model {spec.name!r}: module {module_name!r} has no callable {attr!r}"
@@ -105,6 +146,10 @@ def _as_layers(result: object) -> list[nn.Module] | None:
 def build_custom(spec: ModelSpec) -> ZooModel:
     """Import and call the factory named by ``spec.name`` and wrap what it returns.
 
+    The caller has already checked the module against the allow-list
+    (`check_model_source`); everything user code raises while it is imported, called
+    or its result inspected comes out as a ConfigError.
+
     Raises:
         ConfigError: The module or factory cannot be loaded, the factory fails, or it
             returns something other than a ZooModel, an nn.Sequential or a non-empty
@@ -115,9 +160,15 @@ def build_custom(spec: ModelSpec) -> ZooModel:
     factory = _load_factory(spec)
     try:
         result = factory()
-    except Exception as exc:  # the factory is user code; name the spec that ran it
+        return _wrap(spec, input_spec, result)
+    except ConfigError:
+        raise
+    except _USER_CODE_ERRORS as exc:  # the factory is user code; name the spec that ran it
         raise ConfigError(f"custom model {spec.name!r}: factory raised {exc!r}") from exc
 
+
+def _wrap(spec: ModelSpec, input_spec: InputSpec, result: object) -> ZooModel:
+    """The ZooModel for what a factory returned; its modules' methods are user code too."""
     if isinstance(result, ZooModel):
         if spec.options:
             raise ConfigError(

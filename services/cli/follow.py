@@ -24,6 +24,8 @@ from rich.progress import (
 from common.errors import ConfigError
 from common.job import JobSpec, load_job
 from common.messages import SubmitJob
+from common.secrets import mask_text
+from common.settings import CommonSettings
 from common.store import Store
 from services.cli.client import ask_coordinator
 from services.coordinator.checks import check_job
@@ -96,7 +98,8 @@ def follow(
             )
             view.state = job.get("state", "unknown")
             if view.state in TERMINAL or time.monotonic() > deadline:
-                view.error = job.get("error", job.get("reason", ""))
+                # a worker's error may quote what it was sent (a URL); shown, it is masked
+                view.error = mask_text(str(job.get("error", job.get("reason", ""))))
                 return view
             time.sleep(poll_s)
 
@@ -112,7 +115,7 @@ def _detail(event: dict[str, Any]) -> str:
 def load_checked(path: Path, workers: int) -> JobSpec:
     """The job at `path`, checked as the coordinator will, for a cluster of `workers`."""
     job = load_job(path)
-    check_job(job)
+    check_job(job, CommonSettings().model_modules)
     if job.min_workers > workers:
         raise ConfigError(f"min_workers: the job wants {job.min_workers}, there are {workers}")
     return job

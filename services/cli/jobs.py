@@ -18,8 +18,9 @@ from rich.table import Table
 from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
 from common.export import export_weights
-from common.job import load_job
+from common.job import check_job_id, load_job
 from common.messages import CancelJob, SubmitJob
+from common.secrets import mask_text
 from common.settings import CommonSettings
 from common.store import Store
 from services.cli.client import ask_coordinator
@@ -61,7 +62,8 @@ def store_from(redis_url: str | None, cluster: str | None) -> Store:
 
 
 def _fail(exc: Exception, code: ExitCode = ExitCode.CONFIG) -> typer.Exit:
-    console.print(f"[red]error:[/red] {exc}")
+    """Print `exc` (credentials hidden) and the exit to raise."""
+    console.print(f"[red]error:[/red] {mask_text(str(exc))}")
     return typer.Exit(int(code))
 
 
@@ -91,7 +93,7 @@ def train(
     s = _settings(coordinator, redis_url, cluster)
     try:
         job = load_job(job_file)
-        check_job(job)
+        check_job(job, s.model_modules)
         reply = ask_coordinator(s.coordinator, SubmitJob(job=job, replace=replace), reply_timeout)
     except AsteroidError as exc:
         raise _fail(exc) from exc
@@ -100,7 +102,10 @@ def train(
     console.print(f"job [cyan]{job.job_id}[/cyan] submitted to {s.coordinator}")
     if not follow_:
         return
-    store = store_from(redis_url, cluster)
+    try:
+        store = store_from(redis_url, cluster)
+    except AsteroidError as exc:
+        raise _fail(exc, ExitCode.FAILED) from exc
     try:
         view = follow(store, job.job_id, console)
     except KeyboardInterrupt:
@@ -120,6 +125,7 @@ def cancel(
     """Cancel a queued or running job (it stops at the next round boundary)."""
     s = _settings(coordinator, None, None)
     try:
+        check_job_id(job_id, "the command line")
         reply = ask_coordinator(s.coordinator, CancelJob(job_id=job_id), reply_timeout)
     except AsteroidError as exc:
         raise _fail(exc) from exc
@@ -176,7 +182,7 @@ def jobs_table(store: Store, only: str | None = None) -> Table:
             f"{j['loss']:.4f}" if "loss" in j else "-",
             f"{j['eval_accuracy']:.1%}" if "eval_accuracy" in j else "-",
             f"{j['samples_per_s']:.0f}" if "samples_per_s" in j else "-",
-            str(j.get("error", j.get("reason", "")))[:60],
+            mask_text(str(j.get("error", j.get("reason", ""))))[:60],
         )
     return table
 
@@ -187,6 +193,11 @@ def status(
     cluster: ClusterOpt = None,
 ) -> None:
     """Devices (heartbeat age, stage, memory) and jobs (state, round, samples/s)."""
+    try:
+        if job is not None:
+            check_job_id(job, "the command line")
+    except ConfigError as exc:
+        raise _fail(exc) from exc
     try:
         store = store_from(redis_url, cluster)
     except AsteroidError as exc:
@@ -210,9 +221,11 @@ def export(
 ) -> None:
     """Write a job's checkpointed weights to a file plain PyTorch loads into the zoo model."""
     try:
+        check_job_id(job_id, "the command line")
         store = store_from(redis_url, cluster)
         try:
-            info = export_weights(store, job_id, out, round_no)
+            allowed = _settings(None, redis_url, cluster).model_modules
+            info = export_weights(store, job_id, out, round_no, allowed)
         finally:
             store.close()
     except AsteroidError as exc:

@@ -18,6 +18,7 @@ from rich.console import Console
 
 from common.export import export_weights
 from common.job import JobSpec
+from common.secrets import mask_url
 from common.store import Store
 from services.cli.follow import load_checked, submit_and_follow
 from services.cli.foreground import STOP, foreground
@@ -53,11 +54,12 @@ def up(
     with foreground(console, "interrupted; every process of the cluster is stopped"):
         spec = load_checked(job, workers) if job else None
         with LocalStack(workers, logs, redis_url, cluster, threads) as stack:
+            shown = mask_url(stack.redis_url)  # a --redis-url password stays off the screen
             console.print(
-                f"cluster up: coordinator {stack.coordinator}, Redis {stack.redis_url}, "
+                f"cluster up: coordinator {stack.coordinator}, Redis {shown}, "
                 f"{workers} workers; logs in {logs}/\n"
                 f"submit with: ASTEROID_COORDINATOR={stack.coordinator} "
-                f"ASTEROID_REDIS_URL={stack.redis_url} ASTEROID_CLUSTER={stack.cluster} "
+                f"ASTEROID_REDIS_URL={shown} ASTEROID_CLUSTER={stack.cluster} "
                 "asteroid train JOB.yaml"
             )
             if spec is not None:

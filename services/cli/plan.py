@@ -16,10 +16,11 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from common.errors import ConfigError, PlanError
+from common.errors import ConfigError, PlanError, StoreError
 from common.exit_codes import ExitCode
 from common.plan import Plan
 from common.profile import ClusterSpec, Profile
+from common.secrets import mask_text
 from common.settings import CommonSettings
 from common.store import Store
 from services.planner.base import PLANNERS, check_memory, get_planner
@@ -53,6 +54,7 @@ def _profiles(files: list[Path], cluster: ClusterSpec) -> dict[str, Profile]:
     settings = CommonSettings()
     store = Store(settings.redis_url, settings.cluster)
     try:
+        store.ping()
         return load_profiles(store, sorted({d.profile for d in cluster.devices}))
     finally:
         store.close()
@@ -106,6 +108,9 @@ def plan(
     except (ConfigError, PlanError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(ExitCode.CONFIG) from exc
+    except StoreError as exc:
+        console.print(f"[red]error:[/red] {mask_text(str(exc))}")
+        raise typer.Exit(ExitCode.FAILED) from exc
     sim = simulate(made, cost)
     console.print(plan_table(made, sim, cost))
     console.print(

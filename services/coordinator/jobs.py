@@ -142,7 +142,7 @@ class JobRun:
 
     def _train(self, plan: Plan, resume: bool) -> JobSummary:
         job, jid, coord = self.job, self.jid, self.coord
-        model = build_model(job.model, job.seed).full()
+        model = build_model(job.model, job.seed, coord.settings.model_modules).full()
         plan.validate_for(len(model))
         self.store.put_json(plan.model_dump(mode="json"), "plan", jid)
         coord.wait_for_devices(plan.devices, coord.settings.join_timeout_s)

@@ -16,7 +16,7 @@ import yaml
 from pydantic import ValidationError
 from pydantic_settings import CliApp
 
-from common.errors import AsteroidError, ConfigError
+from common.errors import AsteroidError, ConfigError, StoreError
 from common.exit_codes import ExitCode
 from common.job import JobSpec, load_job
 from common.logging import configure_logging, get_logger
@@ -84,19 +84,28 @@ def run(settings: CoordinatorSettings) -> ExitCode:
     if settings.plan is not None and settings.job is None:
         log.error("--plan needs --job")
         return ExitCode.CONFIG
+    if settings.resume and settings.replace:
+        log.error("--resume keeps the job's checkpoints and --replace deletes them: give one")
+        return ExitCode.CONFIG
     try:
         job = load_job(settings.job) if settings.job else None
     except ConfigError as exc:
         log.error("invalid input", error=str(exc))
         return ExitCode.CONFIG
     coord = Coordinator(settings)
+    try:
+        coord.store.ping()  # one clear error (its URL's password hidden), not a traceback
+    except StoreError as exc:
+        log.error("coordinator cannot start", error=str(exc))
+        coord.close()
+        return ExitCode.JOB_FAILED
     log.info("coordinator listening", bind=coord.endpoint)
     try:
         if job is None:
             coord.serve()
             return ExitCode.OK
         plan = _plan(coord, settings, job) if settings.plan else None
-        summary = coord.run_job(job, plan, resume=settings.resume)
+        summary = coord.run_job(job, plan, resume=settings.resume, replace=settings.replace)
         log.info("job finished", job=summary.job_id, losses=[round(x, 4) for x in summary.losses])
         return ExitCode.OK
     except ConfigError as exc:

@@ -24,7 +24,7 @@ from common.checkpoint import latest_round
 from common.codec import Limits, recv_message, send_message
 from common.errors import AsteroidError, ConfigError, PlanError, ProtocolError
 from common.ids import DeviceId
-from common.job import JobSpec
+from common.job import JobSpec, check_job_id
 from common.logging import get_logger
 from common.messages import (
     CancelJob,
@@ -53,6 +53,8 @@ __all__ = ["Coordinator", "JobCancelled", "JobFailed", "JobSummary"]
 log = get_logger(__name__)
 NAME = "coordinator"
 PLANNER = "planner"
+_CLIENT_REQUESTS = ("invalid 'submit_job' message", "invalid 'cancel_job' message")
+"""How `common.codec` words a SubmitJob or CancelJob that failed validation."""
 
 
 class Coordinator:
@@ -92,6 +94,7 @@ class Coordinator:
             except ProtocolError as exc:
                 self.bad_messages += 1
                 log.warning("dropped bad control message", peer=exc.sender, reason=exc.reason)
+                self._refuse_request(exc)
                 continue
             claimed = getattr(env.msg, "device", peer)
             if claimed != peer:
@@ -272,17 +275,44 @@ class Coordinator:
 
     # --- jobs -------------------------------------------------------------------
 
-    def run_job(self, job: JobSpec, plan: Plan | None = None, resume: bool = False) -> JobSummary:
+    def run_job(
+        self, job: JobSpec, plan: Plan | None = None, resume: bool = False, replace: bool = False
+    ) -> JobSummary:
         """Run `job` to its last round (with `plan`, or profiled and planned); raises.
 
         With `resume`, start from the job's newest committed checkpoint (possibly
-        written under another plan): workers are re-assigned, not restarted.
+        written under another plan): workers are re-assigned, not restarted. A job
+        id that already has state is refused unless `resume` (keep it) or `replace`
+        (delete it first) says what to do with it: starting a job never deletes
+        another run's checkpoints by itself.
         """
-        total = check_job(job)
+        total = check_job(job, self.settings.model_modules)
         if resume:
             self._check_resumable(job.job_id, total)
-        self._register(job, total, keep_checkpoints=resume)
+        else:
+            self._check_fresh(job.job_id, replace, "--replace")
+        self._register(job, total, forget_old=replace and not resume)
         return JobRun(self, job, total).run(plan, resume)
+
+    def _existing(self, jid: str) -> str | None:
+        """What Redis already holds for job id `jid` (its state, or its checkpoints), else None."""
+        state = self.store.get_fields("job", jid).get("state")
+        if state:
+            return str(state)
+        if latest_round(self.store, jid) is not None:
+            return "checkpointed"
+        if self.store.get_json("jobspec", jid) is not None:
+            return "recorded"
+        return None
+
+    def _check_fresh(self, jid: str, replace: bool, how: str) -> None:
+        """Refuse to reuse job id `jid` when it has state, unless the operator said `replace`."""
+        state = self._existing(jid)
+        if state and not replace:
+            raise ConfigError(
+                f"job_id: job {jid} exists ({state}); pick another job_id, or {how} to "
+                "delete its checkpoints and metrics and start afresh"
+            )
 
     def _check_resumable(self, jid: str, total: int) -> None:
         """Refuse to resume a job whose newest checkpoint is already its last round.
@@ -313,31 +343,33 @@ class Coordinator:
                 summary = JobRun(self, job, total).run()
             except AsteroidError as exc:
                 log.error("job ended", job=job.job_id, error=str(exc))
+            except Exception as exc:  # one job's unforeseen error ends that job, not the service
+                log.exception("job crashed", job=job.job_id)
+                error = f"job {job.job_id} crashed in the coordinator: {exc!r}"
+                self.store.set_fields({"state": "failed", "error": error}, "job", job.job_id)
+                self.store.append("events", job.job_id, {"event": "failed", "error": error})
             if stop_after == job.job_id:
                 return summary
 
     def submit(self, job: JobSpec, replace: bool = False) -> None:
         """Check `job` and queue it; ConfigError says what is wrong and nothing starts."""
-        total = check_job(job)
-        old = self.store.get_fields("job", job.job_id)
-        state = old.get("state")
+        total = check_job(job, self.settings.model_modules)
+        state = self.store.get_fields("job", job.job_id).get("state")
         if state in ACTIVE or any(q.job_id == job.job_id for q, _ in self.queue):
             raise ConfigError(f"job_id: job {job.job_id} is already {state or 'queued'}")
-        if state and not replace:
-            raise ConfigError(
-                f"job_id: job {job.job_id} exists ({state}); pick another job_id or replace it"
-            )
-        self._register(job, total)
+        self._check_fresh(job.job_id, replace, "submit with --replace")
+        self._register(job, total, forget_old=replace)
         self.queue.append((job, total))
 
-    def _register(self, job: JobSpec, total: int, keep_checkpoints: bool = False) -> None:
-        """Record the job as submitted, forgetting an earlier run of this id.
+    def _register(self, job: JobSpec, total: int, forget_old: bool = False) -> None:
+        """Record the job as submitted; with `forget_old`, delete an earlier run of this id.
 
-        A resumed job keeps its checkpoints (it continues from the newest) and
-        its metrics and events (its history goes on).
+        Only an operator's explicit replace sets `forget_old`; otherwise an earlier
+        run's checkpoints, metrics and events stay (a resumed job continues from
+        them, and a new id has none).
         """
-        jid = job.job_id
-        if not keep_checkpoints:
+        jid = check_job_id(job.job_id, "the job spec")  # it names keys to delete below
+        if forget_old:
             parts = ("job", "events", "metrics", "plan", "cluster")
             self.store.r.delete(*(self.store.key(part, jid) for part in parts))
             self.store.delete_prefix("ckpt", jid, "")
@@ -357,6 +389,17 @@ class Coordinator:
         else:
             self._on_cancel(peer, msg)
 
+    def _refuse_request(self, exc: ProtocolError) -> None:
+        """Answer an undecodable SubmitJob or CancelJob so that its sender learns why.
+
+        A job spec that breaks a bound (a job_id outside the pattern, num_classes
+        beyond the limit) fails validation while the message is decoded; the
+        reason names the field. Other bad messages are only dropped.
+        """
+        if exc.sender == "?" or not exc.reason.startswith(_CLIENT_REQUESTS):
+            return
+        self.send(DeviceId(exc.sender), JobReply(job_id="", ok=False, error=exc.reason))
+
     def _on_submit(self, peer: str, msg: SubmitJob) -> None:
         jid = msg.job.job_id
         try:
@@ -364,11 +407,20 @@ class Coordinator:
         except ConfigError as exc:
             self.send(DeviceId(peer), JobReply(job_id=jid, ok=False, error=str(exc)))
             return
+        except Exception as exc:  # a job must not take the coordinator down; say what broke
+            log.exception("job check failed", job=jid, by=peer)
+            error = f"job {jid} from {peer} cannot be checked: {exc!r}"
+            self.send(DeviceId(peer), JobReply(job_id=jid, ok=False, error=error))
+            return
         log.info("job submitted", job=jid, by=peer)
         self.send(DeviceId(peer), JobReply(job_id=jid, ok=True))
 
     def _on_cancel(self, peer: str, msg: CancelJob) -> None:
-        jid = msg.job_id
+        try:
+            jid = check_job_id(msg.job_id, peer)
+        except ConfigError as exc:
+            self.send(DeviceId(peer), JobReply(job_id="", ok=False, error=str(exc)))
+            return
         queued = [q for q, _ in self.queue if q.job_id == jid]
         if queued:
             self.queue = deque((q, t) for q, t in self.queue if q.job_id != jid)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -139,6 +139,7 @@ def profile_model(
     max_batch: int = 256,
     device: str = "",
     seed: int = 0,
+    allowed_modules: Collection[str] = (),
 ) -> Profile:
     """Measure every layer of `spec` on this device at each batch size.
 
@@ -155,6 +156,8 @@ def profile_model(
         max_batch: Upper bound of automatic batch sizes.
         device: Device fingerprint to record; empty: this process's.
         seed: Seed of the model's weights and of the data fed through it.
+        allowed_modules: The service's ``model_modules`` setting: the only modules a
+            ``module:factory`` model may come from (a request cannot widen it).
 
     Times use the current torch thread count. The backward of a layer computes
     its parameters' gradients and, from layer 1 on, its input's gradient: the
@@ -168,7 +171,7 @@ def profile_model(
     sizes = _check(batch_sizes, repeats, warmup)
     if optimizer not in OPTIMIZER_STATE:
         raise ConfigError(f"optimizer must be one of {sorted(OPTIMIZER_STATE)}, got {optimizer!r}")
-    model = build_model(spec, seed)
+    model = build_model(spec, seed, allowed_modules)
     layers = model.layers
     for layer in layers:
         layer.train()

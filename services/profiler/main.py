@@ -100,6 +100,7 @@ def _measure(settings: ProfilerSettings, spec: ModelSpec, device: str, budget: i
             optimizer=settings.optimizer,
             max_batch=settings.max_batch,
             device=device,
+            allowed_modules=settings.model_modules,
         )
 
     def log_batch(step: Step) -> None:

@@ -212,6 +212,7 @@ class ProfilerService:
                 optimizer=req.optimizer,
                 max_batch=self.settings.max_batch,
                 device=req.fingerprint,
+                allowed_modules=self.settings.model_modules,
             )
             stored = save(self.store, prof)
         except (AsteroidError, redis.RedisError) as exc:

@@ -82,7 +82,7 @@ class Worker:
         self.device = DeviceId(settings.device or f"{socket.gethostname()}-{os.getpid()}")
         self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.pool = TaskPool()
+        self.pool = TaskPool(settings.pool_max_bytes)
         bind, host = data_hosts(settings.data_host, settings.advertise_host, settings.coordinator)
         self.receiver = Receiver(
             self.ctx, f"tcp://{bind}:{settings.data_port}", self.limits, self.pool
@@ -200,7 +200,13 @@ class Worker:
         self.dispatcher.set_peers(msg.peers)
         store = self._store(msg.store_url, msg.cluster)
         self.runner = StageRunner(
-            msg, self.device, store, self.pool, self.dispatcher, self.settings.task_timeout_s
+            msg,
+            self.device,
+            store,
+            self.pool,
+            self.dispatcher,
+            self.settings.task_timeout_s,
+            self.settings.model_modules,
         )
         bind_global(job=msg.job.job_id, stage=msg.stage, epoch=msg.epoch)
         self.state = "ready"

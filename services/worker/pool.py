@@ -10,6 +10,13 @@ kind "E", keyed by the round whose weights they evaluate, so they can never
 complete a training task. An evaluation of round R's weights is over once a
 later evaluation begins or training round R starts (that changes the weights).
 
+Parts are taken only from the device the plan names as their sender (the
+`Expected` routes: who sends which sample range of activations and gradients,
+and the all-reduce ring's previous device), only for the current round or the
+next one, and only while the pool's bytes stay under its cap; everything else
+is refused with a reason the receiver logs beside the sender. The sender is
+whatever identity the transport reports for the peer.
+
 The pool is also the worker's ledger of what it holds for a round: the bytes
 of the tensors resident in it plus what the stage runner reports its forwards
 keep for backwards that have not run (saved activations). Both change under
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -29,9 +36,12 @@ import torch
 from common.errors import RoundAbortedError, RoundTimeoutError
 from common.messages import Activation, Gradient, ReduceChunk
 
-__all__ = ["Part", "TaskPool"]
+__all__ = ["DEFAULT_MAX_BYTES", "Expected", "Part", "TaskPool"]
 
 T = TypeVar("T")
+
+DEFAULT_MAX_BYTES = 4 << 30
+"""Default cap on the pool's bytes: far above what a round of an edge plan holds."""
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -58,6 +68,63 @@ class Part:
     tensors: list[torch.Tensor]
 
 
+@dataclass(frozen=True)
+class Expected:
+    """Who the plan says sends this device each part, so a part from anyone else is refused.
+
+    Routes do not depend on the micro-batch, so a sample range names its sender
+    for every micro-batch of every round of the plan epoch.
+
+    Attributes:
+        activations: Sample range [lo, hi) -> device of the previous stage that
+            sends those activations (training and evaluation alike).
+        gradients: Sample range [lo, hi) -> device of the next stage that sends
+            the gradients of those samples back.
+        ring_prev: The device before this one in the group's all-reduce ring;
+            None when the group has one device (no reduce chunks at all).
+        ring_size: Devices in the ring, which bounds steps and chunk indices.
+        microbatches: Micro-batches per round, which bounds a training part's index.
+
+    """
+
+    activations: Mapping[tuple[int, int], str] = field(default_factory=dict)
+    gradients: Mapping[tuple[int, int], str] = field(default_factory=dict)
+    ring_prev: str | None = None
+    ring_size: int = 1
+    microbatches: int | None = None
+
+    def part_sender(self, kind: str, lo: int, hi: int) -> str | None:
+        """The device that sends samples [lo, hi) of a part of `kind`, or None if none does."""
+        routes = self.gradients if kind == "B" else self.activations
+        return routes.get((lo, hi))
+
+    def refuse_part(self, kind: str, mb: int, lo: int, hi: int, sender: str) -> str | None:
+        """Why a part of `kind` from `sender` does not fit the plan, or None when it does."""
+        if kind != "E" and self.microbatches is not None and not 0 <= mb < self.microbatches:
+            return f"micro-batch {mb} of a round of {self.microbatches}"
+        want = self.part_sender(kind, lo, hi)
+        if want is None:
+            what = "gradients" if kind == "B" else "activations"
+            return f"no route of the plan sends {what} of samples [{lo}, {hi}) to this device"
+        if want != sender:
+            return f"samples [{lo}, {hi}) of {kind}{mb} come from {want!r}, not from {sender!r}"
+        return None
+
+    def refuse_chunk(self, step: int, chunk: int, sender: str) -> str | None:
+        """Why a reduce chunk from `sender` does not fit the ring, or None when it does."""
+        if self.ring_prev is None:
+            return "this device's group has no all-reduce ring (one device)"
+        if self.ring_prev != sender:
+            return f"reduce chunks come from {self.ring_prev!r}, not from {sender!r}"
+        steps = 2 * (self.ring_size - 1)
+        if not (0 <= step < steps and 0 <= chunk < self.ring_size):
+            return (
+                f"reduce chunk step {step} chunk {chunk} outside a ring of {self.ring_size} "
+                f"({steps} steps)"
+            )
+        return None
+
+
 def _kind(msg: Activation | Gradient) -> str:
     """The task kind a part belongs to: training forward, backward, or evaluation."""
     if isinstance(msg, Gradient):
@@ -77,9 +144,18 @@ class TaskPool:
 
     For kind "E" the round names the evaluated weights and the micro-batch
     counts across the whole evaluation (batch x M + micro-batch).
+
+    Args:
+        max_bytes: Most bytes the pool holds; a part or chunk that would take it
+            past this is refused (a flood cannot grow the worker without bound).
+
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"pool max_bytes must be positive, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.expected: Expected | None = None
         self.cond = threading.Condition()
         self.epoch = -1
         self.stage = -1
@@ -105,10 +181,26 @@ class TaskPool:
         """Samples a task must cover: the device's share of a micro-batch."""
         return self.span[1] - self.span[0]
 
-    def reset(self, epoch: int, stage: int, span: tuple[int, int]) -> None:
-        """Serve `stage` of plan epoch `epoch`; a task is complete when parts cover `span`."""
+    def reset(
+        self,
+        epoch: int,
+        stage: int,
+        span: tuple[int, int],
+        expected: Expected | None = None,
+        from_round: int = 0,
+    ) -> None:
+        """Serve `stage` of plan epoch `epoch`; a task is complete when parts cover `span`.
+
+        `expected` names who sends what under the plan; with it, parts for rounds
+        beyond the next are refused too (rounds run in order). A stage runner
+        always gives it; only a harness without a plan (the transport benchmark,
+        which numbers its streams freely) leaves senders and rounds unchecked.
+        The first round to run is `from_round`, so its parts count as the next round's.
+        """
         with self.cond:
-            self.epoch, self.stage, self.round, self.span = epoch, stage, -1, span
+            self.epoch, self.stage, self.span = epoch, stage, span
+            self.round = from_round - 1
+            self.expected = expected
             self.eval_round = -1
             self.aborted = None
             self._slots.clear()
@@ -158,39 +250,67 @@ class TaskPool:
                     f"training round {self.round})"
                 )
             return f"round {msg.round} already finished (current {self.round})"
+        if self.expected is not None and msg.round > self.round + 1:
+            return f"round {msg.round} is beyond the next (current {self.round})"
         return None
 
-    def put_part(self, msg: Activation | Gradient, tensors: list[torch.Tensor]) -> str | None:
-        """Add a part; returns why it was dropped, or None when accepted."""
+    def _over_cap(self, nbytes: int) -> str | None:
+        """Why `nbytes` more would not fit under the cap (under `cond`), or None."""
+        held = self._resident()
+        if held + nbytes > self.max_bytes:
+            return (
+                f"{nbytes} bytes would take the pool from {held} past its cap of "
+                f"{self.max_bytes} (setting pool_max_bytes)"
+            )
+        return None
+
+    def put_part(
+        self, msg: Activation | Gradient, tensors: list[torch.Tensor], sender: str
+    ) -> str | None:
+        """Add a part `sender` sent; returns why it was dropped, or None when accepted."""
         kind, mb, round_no = _kind(msg), msg.mb, msg.round
         part = Part(msg.lo, msg.hi, tensors)
+        nbytes = _storage_bytes(tensors)
         with self.cond:
-            stale = self._fresh(msg, kind)
-            if stale:
+            refused = self._fresh(msg, kind)
+            if refused is None and self.expected is not None:
+                refused = self.expected.refuse_part(kind, mb, msg.lo, msg.hi, sender)
+            if refused:
                 self.dropped += 1
-                return stale
-            slot = self._slots.setdefault((round_no, kind, mb), _Slot())
+                return refused
+            key = (round_no, kind, mb)
+            slot = self._slots.get(key, _Slot())
             if part.lo in slot.parts or not self.span[0] <= part.lo < part.hi <= self.span[1]:
                 self.dropped += 1
                 return f"duplicate or out-of-range part [{part.lo}, {part.hi}) of {kind}{mb}"
             if slot.covered + part.hi - part.lo > self.need:
                 self.dropped += 1
                 return f"overlapping part [{part.lo}, {part.hi}) of {kind}{mb}"
+            full = self._over_cap(nbytes)
+            if full:
+                self.dropped += 1
+                return full
+            self._slots[key] = slot
             slot.parts[part.lo] = part
             slot.covered += part.hi - part.lo
-            slot.nbytes += _storage_bytes(tensors)
+            slot.nbytes += nbytes
             self._observe()
             self.cond.notify_all()
             return None
 
-    def put_chunk(self, msg: ReduceChunk, t: torch.Tensor) -> str | None:
-        """Add an all-reduce chunk; returns why it was dropped, or None."""
+    def put_chunk(self, msg: ReduceChunk, t: torch.Tensor, sender: str) -> str | None:
+        """Add an all-reduce chunk `sender` sent; returns why it was dropped, or None."""
         with self.cond:
-            stale = self._fresh(msg, "R")
+            refused = self._fresh(msg, "R")
+            if refused is None and self.expected is not None:
+                refused = self.expected.refuse_chunk(msg.step, msg.chunk, sender)
             key = (msg.round, msg.step, msg.chunk)
-            if stale or key in self._chunks:
+            if refused is None and key in self._chunks:
+                refused = f"duplicate reduce chunk step {msg.step} chunk {msg.chunk}"
+            refused = refused or self._over_cap(_storage_bytes([t]))
+            if refused:
                 self.dropped += 1
-                return stale or f"duplicate reduce chunk step {msg.step} chunk {msg.chunk}"
+                return refused
             self._chunks[key] = t
             self._observe()
             self.cond.notify_all()

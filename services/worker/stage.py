@@ -30,7 +30,7 @@ from common.store import Store
 from common.zoo import build_model
 from services.worker.allreduce import ring_allreduce
 from services.worker.evaluate import EvalResult, evaluate
-from services.worker.pool import TaskPool
+from services.worker.pool import Expected, TaskPool
 from services.worker.schedule import Action, PoolView, next_task
 from services.worker.transport import Dispatcher
 
@@ -120,6 +120,7 @@ class StageRunner:
         pool: TaskPool,
         dispatcher: Dispatcher,
         task_timeout_s: float,
+        allowed_modules: tuple[str, ...] = (),
     ) -> None:
         self.assign, self.device, self.store = assign, device, store
         self.pool, self.out, self.timeout = pool, dispatcher, task_timeout_s
@@ -145,7 +146,9 @@ class StageRunner:
             if self.first
             else [r for r in routes(plan.ranges(p - 1), plan.ranges(p)) if r.dst == device]
         )
-        zoo = build_model(assign.job.model, assign.job.seed)
+        # user modules come from this worker's own settings (ASTEROID_MODEL_MODULES), never
+        # from the Assign; the runner is not handed the worker's parsed flags
+        zoo = build_model(assign.job.model, assign.job.seed, allowed_modules)
         self.module = zoo.stage(self.start, self.end)
         weights, optim_state = load_stage(
             store, assign.job.job_id, assign.from_round, self.start, self.end
@@ -159,7 +162,23 @@ class StageRunner:
         # only the first stage reads samples; later stages get them as activations
         self.data = open_data(assign.job, zoo) if self.first else None
         self.round = assign.from_round
-        pool.reset(assign.epoch, p, self.span)
+        pool.reset(assign.epoch, p, self.span, self._expected(), assign.from_round)
+
+    def _expected(self) -> Expected:
+        """Who sends this device what under the plan: the pool refuses parts from anyone else.
+
+        Activations come from the previous stage's device of each incoming
+        route, gradients back from the next stage's device each forward went
+        to, reduce chunks from the device before this one in the group's ring.
+        """
+        size = len(self.group)
+        return Expected(
+            activations={(r.lo, r.hi): str(r.src) for r in self.bwd_routes},
+            gradients={(r.lo, r.hi): str(r.dst) for r in self.fwd_routes},
+            ring_prev=str(self.group[(self.rank - 1) % size]) if size > 1 else None,
+            ring_size=size,
+            microbatches=self.m,
+        )
 
     @property
     def is_leader(self) -> bool:
@@ -242,11 +261,13 @@ class StageRunner:
         self, round_no: int, next_f: int, ctx: dict[int, Any], policy: str
     ) -> Action | None:
         """Ask the pure scheduler what to run now (called under the pool's lock)."""
+        # a gradient is only a task once its forward ran here (ctx holds it)
+        alive = frozenset(ctx)
         view = PoolView(
             next_forward=next_f,
             alive=len(ctx),
             forward_ready=self._own_inputs if self.first else self.pool.ready(round_no, "F"),
-            backward_ready=frozenset(ctx) if self.last else self.pool.ready(round_no, "B"),
+            backward_ready=alive if self.last else self.pool.ready(round_no, "B") & alive,
         )
         return next_task(view, self.p, self.k, self.m, policy)
 

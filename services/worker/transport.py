@@ -3,6 +3,11 @@
 The receiver fills the task pool; the dispatcher sends results, so that
 communication overlaps compute.
 
+The receiver hands the pool the identity the transport reports for the peer
+(today the DEALER's routing identity, which the peer claims; with an
+authenticated transport, the authenticated name), and the pool takes a part
+only from the device the plan names for it.
+
 Each thread owns its sockets (ZeroMQ sockets are not thread-safe). A bad frame
 is logged with the peer that sent it and dropped; the receiver keeps running.
 """
@@ -67,13 +72,19 @@ class Receiver(threading.Thread):
                     [tuple(t.shape) for t in env.tensors]
                 )
             else:
-                why = self.pool.put_part(msg, env.tensors)
+                why = self.pool.put_part(msg, env.tensors, peer)
         elif isinstance(msg, ReduceChunk) and len(env.tensors) == 1:
-            why = self.pool.put_chunk(msg, env.tensors[0])
+            why = self.pool.put_chunk(msg, env.tensors[0], peer)
         else:
             why = f"unexpected {msg.type} with {len(env.tensors)} tensors on the data plane"
         if why:
-            log.warning("dropped data-plane message", peer=peer, type=msg.type, reason=why)
+            log.warning(
+                "dropped data-plane message",
+                peer=peer,
+                type=msg.type,
+                msg_round=getattr(msg, "round", None),  # `round` is the worker's own
+                reason=why,
+            )
 
 
 class Dispatcher(threading.Thread):

@@ -28,6 +28,7 @@ EXPECTED_LAYERS = {
 }
 WITH_BATCHNORM = {"efficientnet_b1", "mobilenet_v2", "resnet18", "resnet50"}
 FACTORIES = "zoo_test_factories"
+ALLOWED = (FACTORIES, "no_such_module_xyz")  # as the model_modules setting lists them
 
 
 @functools.cache
@@ -263,13 +264,13 @@ def factories(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_custom_sequential_defaults_to_cifar_images() -> None:
-    model = build_model(ModelSpec(name=f"{FACTORIES}:sequential"), seed=0)
+    model = build_model(ModelSpec(name=f"{FACTORIES}:sequential"), seed=0, allowed_modules=ALLOWED)
     assert len(model.layers) == 4
     assert model.input == InputSpec("image", (3, 32, 32), torch.float32)
     assert not model.has_batchnorm
     x = sample_input(model.input)
     torch.testing.assert_close(model.stage(2, 4)(model.stage(0, 2)(x)), model.full()(x))
-    again = build_model(ModelSpec(name=f"{FACTORIES}:sequential"), seed=0)
+    again = build_model(ModelSpec(name=f"{FACTORIES}:sequential"), seed=0, allowed_modules=ALLOWED)
     assert torch.equal(model.layers[1].weight, again.layers[1].weight)
 
 
@@ -278,18 +279,20 @@ def test_custom_list_with_token_input() -> None:
         name=f"{FACTORIES}:token_layers",
         options={"input_kind": "tokens", "input_shape": 16, "vocab_size": 50},
     )
-    model = build_model(spec, seed=0)
+    model = build_model(spec, seed=0, allowed_modules=ALLOWED)
     assert model.input == InputSpec("tokens", (16,), torch.int64, vocab_size=50)
     assert model.full()(sample_input(model.input)).shape == (2, 10)
 
 
 def test_custom_image_shape_option() -> None:
     spec = ModelSpec(name=f"{FACTORIES}:sequential", options={"input_shape": "1x28x28"})
-    assert build_model(spec, seed=0).input.shape == (1, 28, 28)
+    assert build_model(spec, seed=0, allowed_modules=ALLOWED).input.shape == (1, 28, 28)
 
 
 def test_custom_factory_may_return_a_zoo_model() -> None:
-    model = build_model(ModelSpec(name=f"{FACTORIES}:zoo_model", num_classes=4), seed=0)
+    model = build_model(
+        ModelSpec(name=f"{FACTORIES}:zoo_model", num_classes=4), seed=0, allowed_modules=ALLOWED
+    )
     assert model.input.shape == (3, 2, 2)
 
 
@@ -318,5 +321,5 @@ def test_bad_custom_models_raise_config_error(
 ) -> None:
     spec = ModelSpec(name=name, options=options)
     with pytest.raises(ConfigError, match=match) as info:
-        build_model(spec, seed=0)
+        build_model(spec, seed=0, allowed_modules=ALLOWED)
     assert repr(name) in str(info.value)

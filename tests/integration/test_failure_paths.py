@@ -191,11 +191,14 @@ def test_a_member_killed_mid_all_reduce_fails_the_job_and_its_peers_recover(clus
 
 
 def test_profiler_failure_timeout_and_no_planner_name_the_service(cluster, store):
-    cluster.env.update({"ASTEROID_REPEATS": "1", "ASTEROID_WARMUP": "0"})  # quick profiles
+    here = __name__
+    # quick profiles; this module's factories are allowed as an operator would allow theirs
+    cluster.env.update(
+        {"ASTEROID_REPEATS": "1", "ASTEROID_WARMUP": "0", "ASTEROID_MODEL_MODULES": here}
+    )
     cluster.start_workers(["a"])
     profiler = cluster.spawn("profiler", ["-m", "services.profiler.main", "--serve"])
     name = f"profiler-{socket.gethostname()}-{profiler.pid}"
-    here = __name__
 
     job = _job("broken", model={"name": f"{here}:unprofilable"}, global_batch=2, micro_batch=1)
     _coordinator(cluster, "coord-broken", job)

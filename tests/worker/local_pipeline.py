@@ -31,18 +31,22 @@ from services.worker.stage import RoundResult, StageRunner
 
 
 class DirectDispatcher:
-    """Delivers into the peers' pools at once; remembers drops."""
+    """Delivers into the peers' pools at once, as sent by `device`; remembers drops.
 
-    def __init__(self, pools: dict[str, TaskPool]) -> None:
+    The drops list is shared by the dispatchers of one pipeline.
+    """
+
+    def __init__(self, pools: dict[str, TaskPool], device: str, dropped: list[str]) -> None:
         self.pools = pools
-        self.dropped: list[str] = []
+        self.device = device
+        self.dropped = dropped
 
     def send(self, dst: str, msg: Any, tensors: Any = ()) -> None:
         copies = [t.clone() for t in tensors]
         if isinstance(msg, Activation | Gradient):
-            why = self.pools[dst].put_part(msg, copies)
+            why = self.pools[dst].put_part(msg, copies, self.device)
         elif isinstance(msg, ReduceChunk):
-            why = self.pools[dst].put_chunk(msg, copies[0])
+            why = self.pools[dst].put_chunk(msg, copies[0], self.device)
         else:
             raise AssertionError(f"unexpected {msg.type} on the data plane")
         if why:
@@ -68,7 +72,9 @@ class LocalPipeline:
         commit_checkpoint(store, job.job_id, 0, len(full))
         self.plan = plan
         self.pools = {str(d): TaskPool() for d in plan.devices}
-        self.out = DirectDispatcher(self.pools)
+        dropped: list[str] = []
+        self.outs = {str(d): DirectDispatcher(self.pools, str(d), dropped) for d in plan.devices}
+        self.out = self.outs[str(plan.devices[0])]  # `out.dropped` is every device's
         self.runners: dict[str, StageRunner] = {}
         for d in plan.devices:
             msg = Assign(
@@ -83,7 +89,8 @@ class LocalPipeline:
                 total_rounds=total_rounds,
             )
             pool = self.pools[str(d)]
-            self.runners[str(d)] = StageRunner(msg, d, store, pool, self.out, timeout_s)
+            out = self.outs[str(d)]
+            self.runners[str(d)] = StageRunner(msg, d, store, pool, out, timeout_s)
 
     def run(self, command: str, *args: int) -> dict[str, Any]:
         """Run `runner.<command>(*args)` on every device at once; returns the results."""

@@ -19,10 +19,11 @@ def test_task_ready_when_parts_cover_range_and_concatenates_in_order():
     pool.reset(epoch=3, stage=1, span=(2, 8))
     pool.begin_round(0)
     x2, y2 = torch.full((3, 2), 2.0), torch.tensor([5, 6, 7])
-    assert pool.put_part(act(lo=5, hi=8), [x2, y2]) is None
+    assert pool.put_part(act(lo=5, hi=8), [x2, y2], "prev") is None
     assert pool.ready(0, "F") == frozenset()
     assert (
-        pool.put_part(act(lo=2, hi=5), [torch.full((3, 2), 1.0), torch.tensor([2, 3, 4])]) is None
+        pool.put_part(act(lo=2, hi=5), [torch.full((3, 2), 1.0), torch.tensor([2, 3, 4])], "prev")
+        is None
     )
     assert pool.ready(0, "F") == {1}
     x, y = pool.take(0, "F", 1)
@@ -34,17 +35,17 @@ def test_stale_misaddressed_duplicate_and_out_of_range_parts_are_dropped():
     pool.reset(epoch=2, stage=1, span=(0, 4))
     pool.begin_round(5)
     t = [torch.zeros(4)]
-    assert "epoch" in pool.put_part(act(epoch=1, round_no=5, mb=0), t)
-    assert "already finished" in pool.put_part(act(epoch=2, round_no=4, mb=0), t)
-    assert "stage 2" in pool.put_part(act(epoch=2, round_no=5, mb=0, stage=2), t)
-    assert pool.put_part(act(epoch=2, round_no=5, mb=0), t) is None
-    assert "duplicate" in pool.put_part(act(epoch=2, round_no=5, mb=0), t)
-    assert "out-of-range" in pool.put_part(act(epoch=2, round_no=5, mb=1, lo=2, hi=6), t)
+    assert "epoch" in pool.put_part(act(epoch=1, round_no=5, mb=0), t, "prev")
+    assert "already finished" in pool.put_part(act(epoch=2, round_no=4, mb=0), t, "prev")
+    assert "stage 2" in pool.put_part(act(epoch=2, round_no=5, mb=0, stage=2), t, "prev")
+    assert pool.put_part(act(epoch=2, round_no=5, mb=0), t, "prev") is None
+    assert "duplicate" in pool.put_part(act(epoch=2, round_no=5, mb=0), t, "prev")
+    assert "out-of-range" in pool.put_part(act(epoch=2, round_no=5, mb=1, lo=2, hi=6), t, "prev")
     grad = Gradient(epoch=2, round=6, mb=0, stage=1, lo=0, hi=4)
-    assert pool.put_part(grad, t) is None  # next round: kept
+    assert pool.put_part(grad, t, "prev") is None  # next round: kept
     chunk = ReduceChunk(epoch=2, round=5, stage=1, step=0, chunk=1)
-    assert pool.put_chunk(chunk, torch.ones(3)) is None
-    assert "duplicate reduce chunk" in pool.put_chunk(chunk, torch.ones(3))
+    assert pool.put_chunk(chunk, torch.ones(3), "prev") is None
+    assert "duplicate reduce chunk" in pool.put_chunk(chunk, torch.ones(3), "prev")
     pool.begin_round(6)
     assert pool.ready(6, "B") == {0}
     assert pool.dropped == 6

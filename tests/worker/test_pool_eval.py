@@ -8,7 +8,7 @@ from services.worker.pool import TaskPool
 
 def part(round_no, mb=0, lo=0, hi=4, phase="eval", epoch=2, stage=1):
     msg = Activation(epoch=epoch, round=round_no, mb=mb, stage=stage, lo=lo, hi=hi, phase=phase)
-    return msg, [torch.full((hi - lo, 2), float(lo)), torch.arange(lo, hi)]
+    return msg, [torch.full((hi - lo, 2), float(lo)), torch.arange(lo, hi)], "prev"
 
 
 def pool_at(training_round=None):

@@ -41,11 +41,11 @@ def fresh_pool(span=(0, 4)):
 def test_pool_counts_the_storages_it_holds_until_taken():
     pool = fresh_pool()
     x, y = torch.zeros(4, 8), torch.zeros(4, dtype=torch.int64)
-    assert pool.put_part(act(), [x, y]) is None
+    assert pool.put_part(act(), [x, y], "prev") is None
     assert pool.resident_bytes() == 4 * 8 * F32 + 4 * I64
     # a view costs its whole storage: a slice of a 100-row buffer keeps 100 rows
     big = torch.zeros(100, 8)
-    assert pool.put_part(act(mb=1), [big[:4], y.clone()]) is None
+    assert pool.put_part(act(mb=1), [big[:4], y.clone()], "prev") is None
     assert pool.resident_bytes() == 4 * 8 * F32 + 4 * I64 + 100 * 8 * F32 + 4 * I64
     assert pool.take(0, "F", 0)[0] is x
     assert pool.resident_bytes() == 100 * 8 * F32 + 4 * I64
@@ -57,18 +57,18 @@ def test_pool_counts_the_storages_it_holds_until_taken():
 def test_dropped_parts_cost_nothing_and_finished_rounds_are_let_go():
     pool = fresh_pool(span=(0, 4))
     t = [torch.zeros(4, 8)]
-    assert pool.put_part(act(), t) is None
+    assert pool.put_part(act(), t, "prev") is None
     held = pool.resident_bytes()
-    assert "duplicate" in pool.put_part(act(), [torch.zeros(4, 8)])
-    assert "out-of-range" in pool.put_part(act(mb=1, lo=2, hi=6), [torch.zeros(4, 8)])
+    assert "duplicate" in pool.put_part(act(), [torch.zeros(4, 8)], "prev")
+    assert "out-of-range" in pool.put_part(act(mb=1, lo=2, hi=6), [torch.zeros(4, 8)], "prev")
     assert "epoch" in pool.put_part(
-        Activation(epoch=0, round=0, mb=2, stage=1, lo=0, hi=4), [torch.zeros(4, 8)]
+        Activation(epoch=0, round=0, mb=2, stage=1, lo=0, hi=4), [torch.zeros(4, 8)], "prev"
     )
     assert pool.resident_bytes() == held == pool.peak_bytes
     # a gradient and a reduce chunk of the next round are held, then round 0's part goes
-    assert pool.put_part(Gradient(epoch=1, round=1, mb=0, stage=1, lo=0, hi=4), t) is None
+    assert pool.put_part(Gradient(epoch=1, round=1, mb=0, stage=1, lo=0, hi=4), t, "prev") is None
     chunk = ReduceChunk(epoch=1, round=1, stage=1, step=0, chunk=0)
-    assert pool.put_chunk(chunk, torch.zeros(3)) is None
+    assert pool.put_chunk(chunk, torch.zeros(3), "prev") is None
     assert pool.resident_bytes() == 2 * held + 3 * F32
     pool.begin_round(1)
     assert pool.resident_bytes() == held + 3 * F32 == pool.peak_bytes
@@ -80,7 +80,7 @@ def test_dropped_parts_cost_nothing_and_finished_rounds_are_let_go():
 def test_peak_adds_saved_activations_to_the_pool_and_restarts_each_round():
     pool = fresh_pool()
     pool.hold_saved(1000)
-    assert pool.put_part(act(), [torch.zeros(4, 8)]) is None
+    assert pool.put_part(act(), [torch.zeros(4, 8)], "prev") is None
     assert (pool.peak_bytes, pool.peak_saved_bytes) == (1000 + 4 * 8 * F32, 1000)
     pool.take(0, "F", 0)
     pool.hold_saved(500)

@@ -138,8 +138,10 @@ def _parse_header(raw: bytes, peer: str, limits: Limits) -> tuple[dict[str, Any]
         kind = body.get("type", "?")
         first = exc.errors()[0]
         raise ProtocolError(
-            f"invalid {kind!r} message: {first['msg']} at {'.'.join(map(str, first['loc']))}",
+            f"invalid {str(kind)[:40]!r} message: {first['msg']} "
+            f"at {'.'.join(map(str, first['loc']))[:120]}",
             peer,
+            kind if isinstance(kind, str) else None,
         ) from exc
     return header, msg
 

@@ -29,12 +29,17 @@ class PlanError(ConfigError):
 
 
 class ProtocolError(AsteroidError):
-    """A message could not be decoded or violates the wire protocol."""
+    """A message could not be decoded or violates the wire protocol.
 
-    def __init__(self, reason: str, sender: str = "?") -> None:
+    `kind` is the type tag of a message that decoded but failed validation, so a
+    service can answer a malformed request of a kind it serves; None otherwise.
+    """
+
+    def __init__(self, reason: str, sender: str = "?", kind: str | None = None) -> None:
         super().__init__(f"bad message from {sender}: {reason}")
         self.reason = reason
         self.sender = sender
+        self.kind = kind
 
 
 class StoreError(AsteroidError):

@@ -16,7 +16,16 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from common.secrets import mask_url
 
-__all__ = ["CommonSettings", "CoordinatorSettings", "ProfilerSettings", "WorkerSettings"]
+__all__ = [
+    "POOL_MAX_BYTES",
+    "CommonSettings",
+    "CoordinatorSettings",
+    "ProfilerSettings",
+    "WorkerSettings",
+]
+
+POOL_MAX_BYTES = 4 << 30
+"""Default cap on a task pool's bytes: far above what a round of an edge plan holds."""
 
 
 class CommonSettings(BaseSettings):
@@ -111,7 +120,7 @@ class WorkerSettings(CommonSettings):
         120.0, gt=0, description="Longest wait for an activation, gradient or reduce chunk."
     )
     pool_max_bytes: int = Field(
-        4 << 30,
+        POOL_MAX_BYTES,
         gt=0,
         description="Most bytes of received activations, gradients and reduce chunks the "
         "task pool holds; parts beyond are refused and logged with their sender.",

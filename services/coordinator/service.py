@@ -53,8 +53,8 @@ __all__ = ["Coordinator", "JobCancelled", "JobFailed", "JobSummary"]
 log = get_logger(__name__)
 NAME = "coordinator"
 PLANNER = "planner"
-_CLIENT_REQUESTS = ("invalid 'submit_job' message", "invalid 'cancel_job' message")
-"""How `common.codec` words a SubmitJob or CancelJob that failed validation."""
+_CLIENT_REQUESTS = ("submit_job", "cancel_job")
+"""Requests whose sender is told why a malformed one was refused."""
 
 
 class Coordinator:
@@ -396,7 +396,7 @@ class Coordinator:
         beyond the limit) fails validation while the message is decoded; the
         reason names the field. Other bad messages are only dropped.
         """
-        if exc.sender == "?" or not exc.reason.startswith(_CLIENT_REQUESTS):
+        if exc.sender == "?" or exc.kind not in _CLIENT_REQUESTS:
             return
         self.send(DeviceId(exc.sender), JobReply(job_id="", ok=False, error=exc.reason))
 

@@ -35,13 +35,11 @@ import torch
 
 from common.errors import RoundAbortedError, RoundTimeoutError
 from common.messages import Activation, Gradient, ReduceChunk
+from common.settings import POOL_MAX_BYTES
 
-__all__ = ["DEFAULT_MAX_BYTES", "Expected", "Part", "TaskPool"]
+__all__ = ["Expected", "Part", "TaskPool"]
 
 T = TypeVar("T")
-
-DEFAULT_MAX_BYTES = 4 << 30
-"""Default cap on the pool's bytes: far above what a round of an edge plan holds."""
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -151,7 +149,7 @@ class TaskPool:
 
     """
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, max_bytes: int = POOL_MAX_BYTES) -> None:
         if max_bytes <= 0:
             raise ValueError(f"pool max_bytes must be positive, got {max_bytes}")
         self.max_bytes = max_bytes

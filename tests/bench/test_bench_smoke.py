@@ -20,6 +20,6 @@ def test_quick_transport_benchmark_writes_table_csv_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     with (out / "transport.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert {r["bench"] for r in rows} == {"throughput", "all-reduce"}
+    assert {r["bench"] for r in rows} == {"throughput", "allreduce"}
     assert (out / "transport.png").stat().st_size > 0
     assert "ratio" in (out / "transport.md").read_text()

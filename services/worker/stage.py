@@ -146,8 +146,7 @@ class StageRunner:
             if self.first
             else [r for r in routes(plan.ranges(p - 1), plan.ranges(p)) if r.dst == device]
         )
-        # user modules come from this worker's own settings (ASTEROID_MODEL_MODULES), never
-        # from the Assign; the runner is not handed the worker's parsed flags
+        # user modules come from this worker's own settings (model_modules), never from the Assign
         zoo = build_model(assign.job.model, assign.job.seed, allowed_modules)
         self.module = zoo.stage(self.start, self.end)
         weights, optim_state = load_stage(

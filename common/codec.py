@@ -61,6 +61,8 @@ class Envelope:
     msg_id: int
     sent_at: float
     tensors: list[torch.Tensor] = field(default_factory=list)
+    user: str = ""
+    """"ROLE:NAME" of the CURVE key that sent it (routed receive on a CURVE server), else ""."""
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -209,8 +211,12 @@ def recv_message(
     peer = sock.recv().decode(errors="replace") if routed else "?"
     if routed and not sock.getsockopt(zmq.RCVMORE):
         raise ProtocolError("message has no header frame", peer)
+    user = ""
     try:
-        header, msg = _parse_header(sock.recv(), peer, limits)
+        head = sock.recv(copy=False)
+        if routed and sock.getsockopt(zmq.MECHANISM) == zmq.CURVE:
+            user = _authenticated(head, peer)
+        header, msg = _parse_header(head.bytes, peer, limits)
         peer = peer if routed else str(header.get("sender", "?"))
         metas = header.get("tensors", [])
         if not isinstance(metas, list) or len(metas) > limits.max_tensors:
@@ -234,4 +240,29 @@ def recv_message(
         msg_id=int(header.get("id", 0)) if isinstance(header.get("id"), int) else 0,
         sent_at=float(header["t"]) if isinstance(header.get("t"), int | float) else 0.0,
         tensors=tensors,
+        user=user,
     )
+
+
+def _authenticated(frame: zmq.Frame, peer: str) -> str:
+    """The "ROLE:NAME" the ZAP handler gave the frame's key, if `peer` is that NAME.
+
+    The routing identity is only claimed by the sender; the key is proven by
+    the CURVE handshake. A peer may use its key's name as identity, or
+    "NAME/SESSION" when one key has several connections (a person's CLIs).
+    """
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        user = ""
+    user = user if isinstance(user, str) else ""
+    role, _, name = user.partition(":")
+    if not role or not name:
+        raise ProtocolError("CURVE message without an authenticated key (no User-Id)", peer)
+    if peer != name and not peer.startswith(name + "/"):
+        raise ProtocolError(
+            f"routing identity {peer!r} differs from its key's name {name!r} ({role}); "
+            f"expected {name!r} or {name + '/...'!r}",
+            peer,
+        )
+    return user

@@ -55,6 +55,11 @@ class CommonSettings(BaseSettings):
         gt=0,
         description="Largest tensor frame accepted; larger announcements are refused.",
     )
+    keys: Path | None = Field(
+        None,
+        description="CURVE key set directory (made by `asteroid keys init`) holding this "
+        "process's secret key and the set's public keys; required beyond loopback.",
+    )
     model_modules: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
         description="Modules whose package.module:factory models jobs may build, comma "
@@ -135,6 +140,19 @@ class CoordinatorSettings(CommonSettings):
     round_timeout_s: float = Field(300.0, gt=0, description="Longest wait for one round.")
     heartbeat_misses: int = Field(
         6, ge=1, description="Missed heartbeats after which a worker is declared dead."
+    )
+    device_expiry_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds after its last heartbeat that a device not in the running "
+        "job's plan is forgotten, in memory and in Redis (never sooner than heartbeat_s "
+        "times heartbeat_misses, when a worker is declared dead).",
+    )
+    max_unassigned_devices: int = Field(
+        256,
+        ge=1,
+        description="Most devices the coordinator remembers that the running job's plan does "
+        "not name; heartbeats of further new ids are dropped (and counted in the log).",
     )
     job: Path | None = Field(None, description="Job spec (YAML) to run at start.")
     plan: str | None = Field(

@@ -2,22 +2,69 @@
 
 Every socket gets LINGER=0 (a dead peer never blocks shutdown) and receiving
 sockets get MAXMSGSIZE so ZeroMQ itself drops a peer that sends an absurd frame.
+
+With `keys` (a `common.curve.CurveKeys`), a bound ROUTER is a CURVE server whose
+ZAP handler admits only keys of the cluster's set in the given roles, and a
+DEALER is a CURVE client of the server key it is given; see `common.curve` for
+which key each socket uses. Without keys, sockets are plain (loopback only:
+the coordinator refuses to bind beyond it without keys).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import zmq
 
 from common.codec import Limits
+from common.curve import CurveKeys, start_authenticator, stop_authenticator
 
 __all__ = ["bind_router", "connect_dealer", "poll_in"]
 
 
-def bind_router(ctx: zmq.Context[Any], addr: str, limits: Limits) -> tuple[zmq.Socket[Any], str]:
-    """A ROUTER bound to `addr` (port 0 or * picks a free one); returns it and its endpoint."""
-    sock = ctx.socket(zmq.ROUTER)
+class _CurveServer(zmq.Socket[Any]):
+    """A ROUTER that releases its context's ZAP handler when closed.
+
+    The handler's sockets would otherwise keep `Context.term()` waiting.
+    """
+
+    def close(self, linger: int | None = None) -> None:
+        """Close the socket, then stop the ZAP handler if no other server uses it."""
+        was_open = not self.closed
+        super().close(linger)
+        if was_open:
+            stop_authenticator(self.context)
+
+
+def bind_router(
+    ctx: zmq.Context[Any],
+    addr: str,
+    limits: Limits,
+    keys: CurveKeys | None = None,
+    roles: Iterable[str] = ("worker",),
+) -> tuple[zmq.Socket[Any], str]:
+    """A ROUTER bound to `addr` (port 0 or * picks a free one); returns it and its endpoint.
+
+    With `keys` it is a CURVE server with that pair and admits only keys of
+    the set whose role is in `roles`; a peer's User-Id frame property is then
+    "ROLE:NAME".
+    """
+    sock: zmq.Socket[Any]
+    if keys is None:
+        sock = ctx.socket(zmq.ROUTER)
+    else:
+        sock = ctx.socket(zmq.ROUTER, socket_class=_CurveServer)
+        try:
+            domain = start_authenticator(ctx, keys, roles)
+        except BaseException:
+            zmq.Socket.close(sock, 0)
+            raise
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: refuse all
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_tensor_bytes + limits.max_header_bytes)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -31,10 +78,27 @@ def bind_router(ctx: zmq.Context[Any], addr: str, limits: Limits) -> tuple[zmq.S
 
 
 def connect_dealer(
-    ctx: zmq.Context[Any], addr: str, identity: str, send_timeout_s: float = 30.0
+    ctx: zmq.Context[Any],
+    addr: str,
+    identity: str,
+    send_timeout_s: float = 30.0,
+    keys: CurveKeys | None = None,
+    server_key: bytes | None = None,
 ) -> zmq.Socket[Any]:
-    """A DEALER with routing identity `identity`, connected to `addr`."""
+    """A DEALER with routing identity `identity`, connected to `addr`.
+
+    With `keys` it is a CURVE client with that pair of the server whose public
+    key is `server_key`; `identity` must then be the key's name (or
+    "NAME/SESSION"), as the server refuses any other.
+    """
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    if keys is not None:
+        if server_key is None:
+            sock.close(0)
+            raise ValueError(f"a CURVE client needs the server key of {addr}, got none")
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))

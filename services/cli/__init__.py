@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from services.cli import jobs, local
+from services.cli import jobs, keys, local
 from services.cli import plan as plan_cmd
 from services.cli import testbed as testbed_cmd
 
@@ -44,3 +44,4 @@ app.command()(jobs.status)
 app.command()(jobs.cancel)
 app.command()(jobs.export)
 app.add_typer(testbed_cmd.app, name="testbed")
+app.add_typer(keys.app, name="keys")

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from common.codec import Limits, recv_message, send_message
+from common.curve import COORDINATOR, load_keys
 from common.errors import AsteroidError, ProtocolError
 from common.messages import JobReply, Message
 from common.sockets import connect_dealer
@@ -26,10 +28,23 @@ class CoordinatorUnreachable(AsteroidError):
 
 
 def ask_coordinator(address: str, msg: Message, timeout_s: float = 15.0) -> JobReply:
-    """Send `msg` to the coordinator at `address` and return its JobReply."""
+    """Send `msg` to the coordinator at `address` and return its JobReply.
+
+    With ASTEROID_KEYS set (the key set holding this operator's one secret
+    key), the request goes over CURVE as that operator, identity NAME/SESSION.
+    """
     limits = Limits()
+    keys_dir = os.environ.get("ASTEROID_KEYS")
+    keys = load_keys(Path(keys_dir) if keys_dir else None, "operator")
+    session = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
     ctx: zmq.Context[Any] = zmq.Context()
-    sock = connect_dealer(ctx, address, f"cli-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    sock = connect_dealer(
+        ctx,
+        address,
+        f"{keys.name}/{session}" if keys else f"cli-{session}",
+        keys=keys,
+        server_key=keys.server_key("coordinator", COORDINATOR) if keys else None,
+    )
     try:
         send_message(sock, msg, "cli")
         deadline = time.monotonic() + timeout_s

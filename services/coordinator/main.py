@@ -92,7 +92,11 @@ def run(settings: CoordinatorSettings) -> ExitCode:
     except ConfigError as exc:
         log.error("invalid input", error=str(exc))
         return ExitCode.CONFIG
-    coord = Coordinator(settings)
+    try:
+        coord = Coordinator(settings)
+    except ConfigError as exc:  # e.g. bound beyond loopback without keys
+        log.error("coordinator cannot start", error=str(exc))
+        return ExitCode.CONFIG
     try:
         coord.store.ping()  # one clear error (its URL's password hidden), not a traceback
     except StoreError as exc:

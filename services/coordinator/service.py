@@ -10,6 +10,7 @@ heartbeating.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 
 from common.checkpoint import latest_round
 from common.codec import Limits, recv_message, send_message
+from common.curve import is_loopback, load_keys
 from common.errors import AsteroidError, ConfigError, PlanError, ProtocolError
 from common.ids import DeviceId
 from common.job import JobSpec, check_job_id
@@ -46,7 +48,15 @@ from common.store import Store
 from services.coordinator.checks import check_job
 from services.coordinator.jobs import JobCancelled, JobFailed, JobRun, JobSummary
 from services.coordinator.lifecycle import ACTIVE
-from services.coordinator.membership import Members, dead, on_heartbeat
+from services.coordinator.membership import (
+    Members,
+    Rules,
+    Verdict,
+    admit,
+    dead,
+    expired,
+    forget,
+)
 
 __all__ = ["Coordinator", "JobCancelled", "JobFailed", "JobSummary"]
 
@@ -55,6 +65,44 @@ NAME = "coordinator"
 PLANNER = "planner"
 _CLIENT_REQUESTS = ("submit_job", "cancel_job")
 """Requests whose sender is told why a malformed one was refused."""
+PUMP_MAX_MESSAGES = 500
+"""Most messages one `pump` call handles before its caller looks at its deadlines again."""
+PUMP_MAX_S = 0.05
+"""Longest one `pump` call spends handling messages, for the same reason."""
+DEVICE_WRITE_EVERY_S = 1.0
+"""Least time between two Redis writes of one device's heartbeat state."""
+CONTROL_ROLES = ("worker", "service", "operator")
+"""Key roles the control socket admits; what each may send is `SENDER_ROLES`."""
+SENDER_ROLES = {
+    "heartbeat": "worker",
+    "assigned": "worker",
+    "round_done": "worker",
+    "eval_done": "worker",
+    "checkpoint_saved": "worker",
+    "worker_error": "worker",
+    "service_hello": "service",
+    "plan_reply": "service",
+    "profile_reply": "service",
+    "submit_job": "operator",
+    "cancel_job": "operator",
+}
+"""The key role that may send each message type to the coordinator (with CURVE)."""
+
+
+def role_refusal(user: str, kind: str) -> str | None:
+    """Why a message of type `kind` from authenticated key `user` is refused, or None.
+
+    `user` is "ROLE:NAME" from the CURVE handshake ("" without keys, where the
+    socket is on loopback and every local process is trusted alike).
+    """
+    if not user:
+        return None
+    role = user.partition(":")[0]
+    wanted = SENDER_ROLES.get(kind)
+    if wanted == role:
+        return None
+    expected = f"a key of role {wanted}" if wanted else "no key (nobody may send it)"
+    return f"{kind} from {role} key {user!r}: expected {expected}"
 
 
 class Coordinator:
@@ -63,10 +111,34 @@ class Coordinator:
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
         self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
+        keys = load_keys(settings.keys, "coordinator")
+        if keys is None and not is_loopback(settings.bind):
+            raise ConfigError(
+                f"refusing to bind {settings.bind} without CURVE keys: anyone on that network "
+                "could join as a worker or submit jobs. Make a key set with `asteroid keys "
+                "init DIR --worker NAME ... --operator NAME` and pass --keys DIR (or "
+                "ASTEROID_KEYS), or bind to 127.0.0.1"
+            )
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.sock, self.endpoint = bind_router(self.ctx, settings.bind, self.limits)
+        self.sock, self.endpoint = bind_router(
+            self.ctx, settings.bind, self.limits, keys=keys, roles=CONTROL_ROLES
+        )
         self.store = Store(settings.redis_url, settings.cluster)
         self.members: Members = {}
+        # never forget a device before it would be declared dead: a job waiting on it
+        # must see it dead, not absent
+        dead_s = settings.heartbeat_s * settings.heartbeat_misses
+        self.rules = Rules(
+            DEVICE_WRITE_EVERY_S,
+            max(settings.device_expiry_s, dead_s),
+            settings.max_unassigned_devices,
+        )
+        self.assigned: frozenset[DeviceId] = frozenset()
+        """Devices the running job's plan names: never forgotten nor capped while it runs."""
+        self.heartbeat_counts = {v: 0 for v in Verdict} | {"expired": 0}
+        """Heartbeats by what became of them, and devices forgotten; logged when they change."""
+        self._logged_counts = dict(self.heartbeat_counts)
+        self._next_sweep = 0.0
         self.inbox: deque[tuple[DeviceId, Message]] = deque()
         self.bad_messages = 0
         self.services: dict[str, float] = {}
@@ -81,14 +153,24 @@ class Coordinator:
         send_message(self.sock, msg, NAME, route=device.encode())
 
     def pump(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s` for a message, then process all that are waiting.
+        """Wait up to `timeout_s` for a message, then process those waiting, within bounds.
 
         Returns as soon as the socket is drained, so a caller waiting for a
-        reply sees it without sitting out the rest of its poll interval.
+        reply sees it without sitting out the rest of its poll interval; and
+        after `PUMP_MAX_MESSAGES` messages or `PUMP_MAX_S` seconds at most, so a
+        flood cannot keep a caller from its deadlines (the rest waits in the
+        socket for the next call). Forgets expired devices on the way out.
         """
         wait_ms = int(timeout_s * 1000)
-        while self.sock.poll(wait_ms, zmq.POLLIN):
+        handled = 0
+        stop = math.inf
+        while handled < PUMP_MAX_MESSAGES and time.monotonic() < stop:
+            if not self.sock.poll(wait_ms, zmq.POLLIN):
+                break
+            if handled == 0:
+                stop = time.monotonic() + PUMP_MAX_S
             wait_ms = 0
+            handled += 1
             try:
                 peer, env = recv_message(self.sock, self.limits, routed=True)
             except ProtocolError as exc:
@@ -105,6 +187,9 @@ class Coordinator:
                     claimed=claimed,
                     type=env.msg.type,
                 )
+            elif (why := role_refusal(env.user, env.msg.type)) is not None:
+                self.bad_messages += 1
+                log.warning("dropped message outside its key's role", peer=peer, reason=why)
             elif isinstance(env.msg, Heartbeat):
                 self._heartbeat(env.msg)
             elif isinstance(env.msg, ServiceHello):
@@ -115,17 +200,67 @@ class Coordinator:
                 self._client(peer, env.msg)
             else:
                 self.inbox.append((DeviceId(peer), env.msg))
+        self._sweep()
+
+    def _keep(self) -> frozenset[DeviceId]:
+        """Devices exempt from expiry and the cap: the running job's, none between jobs."""
+        return self.assigned if self.running else frozenset()
 
     def _heartbeat(self, hb: Heartbeat) -> None:
-        if hb.device not in self.members:
+        """Remember `hb`; write it to Redis at once for a new device, else at most once a second.
+
+        A new id beyond the cap of unassigned devices is dropped; the first
+        such drop is logged with its sender, later ones only counted.
+        """
+        self.members, verdict = admit(self.members, hb, time.monotonic(), self.rules, self._keep())
+        self.heartbeat_counts[verdict] += 1
+        if verdict is Verdict.DROPPED:
+            if self.heartbeat_counts[verdict] == 1:
+                log.warning(
+                    "dropped heartbeat of a new device: too many unassigned devices",
+                    peer=hb.device,
+                    expected=f"at most {self.rules.max_unassigned}",
+                )
+            return
+        if verdict is Verdict.JOINED:
             log.info("worker joined", worker=hb.device, data=hb.data_addr)
-        self.members = on_heartbeat(self.members, hb, time.monotonic())
-        self.store.set_fields(
-            {**hb.model_dump(mode="json"), "seen": time.time()}, "device", hb.device
-        )
+        if verdict is not Verdict.LIMITED:
+            self.store.set_fields(
+                {**hb.model_dump(mode="json"), "seen": time.time()}, "device", hb.device
+            )
+
+    def _sweep(self) -> None:
+        """Forget devices not heard from for the expiry time (memory and their Redis key).
+
+        Runs at most a few times a second; also logs the heartbeat counters
+        when they changed, so a flood shows in the log without a line per message.
+        """
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(1.0, self.rules.expiry_s / 4)
+        gone = expired(self.members, now, self.rules.expiry_s, self._keep())
+        if gone:
+            self.members = forget(self.members, gone)
+            # exact keys, one per device: never a pattern built from a peer's name
+            self.store.r.delete(*(self.store.key("device", d) for d in gone))
+            self.heartbeat_counts["expired"] += len(gone)
+            log.info("forgot silent devices", count=len(gone), first=gone[0])
+        if self.heartbeat_counts != self._logged_counts:
+            self._logged_counts = dict(self.heartbeat_counts)
+            log.info(
+                "heartbeat counts",
+                **{str(getattr(k, "value", k)): v for k, v in self.heartbeat_counts.items()},
+                known=len(self.members),
+            )
 
     def wait_for_devices(self, devices: list[DeviceId], timeout_s: float) -> None:
-        """Block until every device in `devices` has sent a heartbeat."""
+        """Block until every device in `devices` has sent a heartbeat.
+
+        `devices` are the running job's: from now on they are exempt from
+        expiry and from the cap on unassigned devices.
+        """
+        self.assigned = frozenset(devices)
         deadline = time.monotonic() + timeout_s
         while missing := [d for d in devices if d not in self.members]:
             if time.monotonic() > deadline:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp
 
 from common.codec import Limits, encode, recv_message
+from common.curve import COORDINATOR, load_keys
 from common.errors import AsteroidError, ConfigError, ProtocolError
 from common.logging import configure_logging, get_logger
 from common.messages import PlanReply, PlanRequest, ServiceHello
@@ -67,7 +68,14 @@ class PlannerService:
         self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
         self.store = Store(settings.redis_url, settings.cluster)
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.sock = connect_dealer(self.ctx, settings.coordinator, IDENTITY)
+        keys = load_keys(settings.keys, "service", IDENTITY)  # services/planner.key_secret
+        self.sock = connect_dealer(
+            self.ctx,
+            settings.coordinator,
+            IDENTITY,
+            keys=keys,
+            server_key=keys.server_key("coordinator", COORDINATOR) if keys else None,
+        )
         self.stopping = threading.Event()
 
     def serve(self) -> None:

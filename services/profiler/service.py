@@ -27,6 +27,7 @@ import torch
 import zmq
 
 from common.codec import Limits, encode, recv_message
+from common.curve import COORDINATOR, load_keys
 from common.errors import AsteroidError, ProtocolError
 from common.logging import get_logger
 from common.messages import ProfileReply, ProfileRequest, ServiceHello
@@ -82,11 +83,19 @@ class ProfilerService:
 
     def __init__(self, settings: ProfilerSettings) -> None:
         self.settings = settings
-        self.identity = service_identity()
+        # with keys: the one service secret in the key dir, one session of it per process
+        keys = load_keys(settings.keys, "service")
+        self.identity = f"{keys.name}/{service_identity()}" if keys else service_identity()
         self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
         self.store = Store(settings.redis_url, settings.cluster)
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.sock = connect_dealer(self.ctx, settings.coordinator, self.identity)
+        self.sock = connect_dealer(
+            self.ctx,
+            settings.coordinator,
+            self.identity,
+            keys=keys,
+            server_key=keys.server_key("coordinator", COORDINATOR) if keys else None,
+        )
         self.stopping = threading.Event()
         self._todo: queue.Queue[ProfileRequest] = queue.Queue()
         self._done: queue.Queue[ProfileReply] = queue.Queue()

@@ -15,6 +15,7 @@ from typing import Any
 import zmq
 
 from common.codec import Envelope, Limits, encode, recv_message
+from common.curve import COORDINATOR, CurveKeys
 from common.errors import ProtocolError
 from common.logging import get_logger
 from common.messages import Assign, Heartbeat, Message, Shutdown
@@ -38,11 +39,13 @@ class ControlLink(threading.Thread):
         heartbeat_s: float,
         heartbeat: Callable[[], Heartbeat],
         on_preempt: Callable[[str], None],
+        keys: CurveKeys | None = None,
     ) -> None:
         super().__init__(name="control", daemon=True)
         self.ctx, self.coordinator, self.device = ctx, coordinator, device
         self.limits, self.heartbeat_s, self.heartbeat = limits, heartbeat_s, heartbeat
         self.on_preempt = on_preempt
+        self.keys = keys
         self.inbox: queue.Queue[Envelope] = queue.Queue()
         self.stop = threading.Event()
         self._pull = ctx.socket(zmq.PULL)
@@ -59,7 +62,10 @@ class ControlLink(threading.Thread):
 
     def run(self) -> None:
         """Relay until stopped; a bad command is logged and dropped."""
-        sock = connect_dealer(self.ctx, self.coordinator, self.device)
+        server_key = self.keys.server_key("coordinator", COORDINATOR) if self.keys else None
+        sock = connect_dealer(
+            self.ctx, self.coordinator, self.device, keys=self.keys, server_key=server_key
+        )
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)

@@ -23,7 +23,9 @@ from pydantic_settings import CliApp
 from torch import nn
 
 from common.codec import Limits
-from common.errors import AsteroidError
+from common.curve import load_keys
+from common.errors import AsteroidError, ConfigError
+from common.exit_codes import ExitCode
 from common.ids import DeviceId
 from common.logging import bind_global, configure_logging, get_logger
 from common.memory import keep_freed_memory
@@ -79,16 +81,19 @@ class Worker:
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.device = DeviceId(settings.device or f"{socket.gethostname()}-{os.getpid()}")
+        keys = load_keys(settings.keys, "worker", settings.device or None)
+        self.device = DeviceId(
+            keys.name if keys else settings.device or f"{socket.gethostname()}-{os.getpid()}"
+        )
         self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.pool = TaskPool(settings.pool_max_bytes)
         bind, host = data_hosts(settings.data_host, settings.advertise_host, settings.coordinator)
         self.receiver = Receiver(
-            self.ctx, f"tcp://{bind}:{settings.data_port}", self.limits, self.pool
+            self.ctx, f"tcp://{bind}:{settings.data_port}", self.limits, self.pool, keys
         )
         self.data_addr = f"tcp://{host}:{self.receiver.endpoint.rsplit(':', 1)[1]}"
-        self.dispatcher = Dispatcher(self.ctx, self.device)
+        self.dispatcher = Dispatcher(self.ctx, self.device, keys)
         self.control = ControlLink(
             self.ctx,
             settings.coordinator,
@@ -97,6 +102,7 @@ class Worker:
             settings.heartbeat_s,
             self._heartbeat,
             self.pool.abort,
+            keys,
         )
         self.fingerprint = device_fingerprint(torch.get_num_threads(), settings.memory_budget)
         self.budget = settings.memory_budget
@@ -291,7 +297,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(settings.threads or default_threads(settings.workers_per_host))
     keep_freed_memory()
     configure_logging(settings.log_level, settings.log_format)
-    worker = Worker(settings)
+    try:
+        worker = Worker(settings)
+    except ConfigError as exc:  # e.g. its key is missing from --keys
+        log.error("worker cannot start", error=str(exc))
+        sys.exit(int(ExitCode.CONFIG))
     bind_global(device=worker.device)
 
     def _stop(signum: int, _: object) -> None:

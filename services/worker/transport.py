@@ -22,7 +22,8 @@ import torch
 import zmq
 
 from common.codec import Envelope, Limits, encode, recv_message
-from common.errors import ProtocolError
+from common.curve import CurveKeys
+from common.errors import ConfigError, ProtocolError
 from common.logging import get_logger
 from common.messages import Activation, Gradient, Message, ReduceChunk
 from common.sockets import bind_router, connect_dealer
@@ -36,9 +37,17 @@ log = get_logger(__name__)
 class Receiver(threading.Thread):
     """Owns the data-plane ROUTER; decodes every message into the task pool."""
 
-    def __init__(self, ctx: zmq.Context[Any], bind: str, limits: Limits, pool: TaskPool) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        bind: str,
+        limits: Limits,
+        pool: TaskPool,
+        keys: CurveKeys | None = None,
+    ) -> None:
         super().__init__(name="receiver", daemon=True)
-        self.sock, self.endpoint = bind_router(ctx, bind, limits)
+        # with keys: a CURVE server with this worker's own pair, admitting worker keys only
+        self.sock, self.endpoint = bind_router(ctx, bind, limits, keys=keys, roles=("worker",))
         self.limits = limits
         self.pool = pool
         self.stop = threading.Event()
@@ -90,10 +99,11 @@ class Receiver(threading.Thread):
 class Dispatcher(threading.Thread):
     """Sends queued messages to peers asynchronously, one DEALER per peer."""
 
-    def __init__(self, ctx: zmq.Context[Any], device: str) -> None:
+    def __init__(self, ctx: zmq.Context[Any], device: str, keys: CurveKeys | None = None) -> None:
         super().__init__(name="dispatcher", daemon=True)
         self.ctx = ctx
         self.device = device
+        self.keys = keys
         self.peers: dict[str, str] = {}
         self.q: queue.Queue[tuple[str, list[Any]] | None] = queue.Queue()
         self._socks: dict[str, zmq.Socket[Any]] = {}
@@ -121,7 +131,7 @@ class Dispatcher(threading.Thread):
                     continue
                 try:
                     self._sock(dst).send_multipart(frames, copy=False)
-                except (zmq.ZMQError, KeyError) as exc:
+                except (zmq.ZMQError, KeyError, ConfigError) as exc:
                     self.error = exc
                     log.error("send failed", peer=dst, error=str(exc))
         finally:
@@ -138,6 +148,10 @@ class Dispatcher(threading.Thread):
     def _sock(self, dst: str) -> zmq.Socket[Any]:
         sock = self._socks.get(dst)
         if sock is None:
-            sock = connect_dealer(self.ctx, self.peers[dst], self.device)
+            # with keys: a CURVE client of the peer's own pair (its public file in the set)
+            server_key = self.keys.server_key("worker", dst) if self.keys else None
+            sock = connect_dealer(
+                self.ctx, self.peers[dst], self.device, keys=self.keys, server_key=server_key
+            )
             self._socks[dst] = sock
         return sock

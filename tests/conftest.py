@@ -13,6 +13,7 @@ import torch
 
 from common.embedded_redis import EmbeddedRedis
 from common.errors import StoreError
+from common.store import Store
 from tests.cluster import CLEANUP_MARGIN_S, Budget, kill_all
 
 REDIS_URL = os.environ.get("ASTEROID_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -94,3 +95,11 @@ def cluster_name(redis_url: str) -> Iterator[str]:
     if keys:
         r.delete(*keys)
     r.close()
+
+
+@pytest.fixture
+def store(redis_url: str, cluster_name: str) -> Iterator[Store]:
+    """A `Store` on the test's fresh key prefix."""
+    s = Store(redis_url, cluster_name)
+    yield s
+    s.close()

@@ -1,4 +1,3 @@
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,13 +15,6 @@ from common.zoo import ModelSpec, build_model
 
 CNN = ModelSpec(name="small_cnn", options={"width": 4})
 BATCHNORM = ModelSpec(name="mobilenet_v2", options={"width_mult": 0.1})
-
-
-@pytest.fixture
-def store(redis_url: str, cluster_name: str) -> Iterator[Store]:
-    s = Store(redis_url, cluster_name)
-    yield s
-    s.close()
 
 
 def submit(store: Store, job: JobSpec) -> None:

@@ -15,14 +15,6 @@ from common.checkpoint import (
     stage_digest,
 )
 from common.errors import CheckpointError, StoreError
-from common.store import Store
-
-
-@pytest.fixture
-def store(redis_url, cluster_name):
-    s = Store(redis_url, cluster_name)
-    yield s
-    s.close()
 
 
 def test_blob_roundtrip_in_chunks(store, monkeypatch):

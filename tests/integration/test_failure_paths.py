@@ -71,13 +71,6 @@ def cluster(tmp_path, redis_url, cluster_name, budget):
     c.close()
 
 
-@pytest.fixture
-def store(redis_url, cluster_name):
-    s = Store(redis_url, cluster_name)
-    yield s
-    s.close()
-
-
 def _coordinator(
     cluster: LocalCluster, name: str, job: dict[str, Any], *flags: str
 ) -> subprocess.Popen[bytes]:

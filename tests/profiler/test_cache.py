@@ -1,7 +1,4 @@
-import pytest
-
 from common.profile import LayerProfile, Profile
-from common.store import Store
 from services.profiler.cache import load_reusable, profile_key, save
 
 
@@ -24,13 +21,6 @@ def profile(batch_sizes: list[int], device: str = "dev-a", created: float = 1.0)
         ],
         created=created,
     )
-
-
-@pytest.fixture
-def store(redis_url, cluster_name):
-    s = Store(redis_url, cluster_name)
-    yield s
-    s.close()
 
 
 def test_saved_where_the_planner_reads_and_indexed_by_device(store):

@@ -58,13 +58,6 @@ def cluster(tmp_path, redis_url, cluster_name, budget) -> Iterator[LocalCluster]
     c.close()
 
 
-@pytest.fixture
-def store(redis_url: str, cluster_name: str) -> Iterator[Store]:
-    s = Store(redis_url, cluster_name)
-    yield s
-    s.close()
-
-
 def dealer(ctx: zmq.Context[Any], address: str, name: str) -> zmq.Socket[Any]:
     """A plain DEALER under routing id `name`, as anyone on the LAN can open."""
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)

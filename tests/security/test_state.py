@@ -8,7 +8,6 @@ byte for byte; only an operator's ``--replace`` deletes a job's state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,13 +24,6 @@ from tests.security.attacker import alive, serving_coordinator
 JOB = JobSpec.model_validate({"job_id": "probe", "model": {"name": "mlp"}})
 ONE = stage(0, 4, "a")
 """The whole four-layer mlp on worker a (which never joins)."""
-
-
-@pytest.fixture
-def store(redis_url: str, cluster_name: str) -> Iterator[Store]:
-    s = Store(redis_url, cluster_name)
-    yield s
-    s.close()
 
 
 @pytest.fixture

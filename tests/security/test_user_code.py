@@ -25,7 +25,6 @@ from common.exit_codes import ExitCode
 from common.job import MAX_CLASSES, JobSpec
 from common.messages import CancelJob, SubmitJob
 from common.settings import CoordinatorSettings, WorkerSettings
-from common.store import Store
 from common.zoo import ModelSpec, build_model
 from services.coordinator.checks import check_job
 from tests.cluster import LocalCluster
@@ -176,13 +175,6 @@ def cluster(tmp_path, redis_url, cluster_name, budget, modules):
     c.env["PYTHONPATH"] = os.pathsep.join([str(modules), c.env.get("PYTHONPATH", "")])
     yield c
     c.close()
-
-
-@pytest.fixture
-def store(redis_url: str, cluster_name: str) -> Iterator[Store]:
-    s = Store(redis_url, cluster_name)
-    yield s
-    s.close()
 
 
 def _still_serving(cluster: LocalCluster, attacker: Attacker) -> None:

@@ -15,7 +15,6 @@ import torch
 from common.job import JobSpec
 from common.messages import Activation, Gradient, ReduceChunk
 from common.plan import Plan
-from common.store import Store
 from services.worker.pool import TaskPool
 from services.worker.schedule import Action
 from tests.worker.local_pipeline import LocalPipeline
@@ -149,13 +148,6 @@ def replay(order: list[tuple[str, Action]]) -> list[int]:
             add(p, saved, -kept(p))
     assert pool == saved == [0] * S
     return peak
-
-
-@pytest.fixture
-def store(redis_url, cluster_name):
-    s = Store(redis_url, cluster_name)
-    yield s
-    s.close()
 
 
 @pytest.mark.parametrize("policy", ["1f1b", "gpipe"])

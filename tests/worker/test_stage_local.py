@@ -13,7 +13,6 @@ import torch
 from common.errors import AsteroidError, RoundTimeoutError
 from common.job import JobSpec
 from common.plan import Plan
-from common.store import Store
 from common.zoo import ModelSpec, build_model
 from tests.reference import (
     assert_losses_match,
@@ -39,13 +38,6 @@ HYBRID = [
     {"start": 5, "end": 7, "devices": [{"device": "d"}, {"device": "e"}]},
 ]
 HELD_OUT = {"kind": "synthetic", "eval_size": 100}
-
-
-@pytest.fixture
-def store(redis_url, cluster_name):
-    s = Store(redis_url, cluster_name)
-    yield s
-    s.close()
 
 
 def pipeline(store, redis_url, cluster_name, model, stages, optimizer, rounds, **kw):

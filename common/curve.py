@@ -147,7 +147,7 @@ class CurveKeys:
             if len(found) != 1:
                 raise ConfigError(
                     f"expected exactly one {role} secret key in {folder}, found {len(found)} "
-                    "(make one with `asteroid keys init DIR --" + role + " NAME`)"
+                    f"(make one with `asteroid keys init {root} --{role} NAME`)"
                 )
             name = found[0].name.removesuffix(".key_secret")
         path = folder / f"{_check_name(name, role)}.key_secret"

@@ -13,6 +13,7 @@ __all__ = [
     "RoundAbortedError",
     "RoundTimeoutError",
     "StoreError",
+    "StoreUnavailable",
 ]
 
 
@@ -44,6 +45,10 @@ class ProtocolError(AsteroidError):
 
 class StoreError(AsteroidError):
     """Shared state in Redis is missing or inconsistent."""
+
+
+class StoreUnavailable(StoreError):
+    """Redis stayed unreachable for longer than the service was configured to wait."""
 
 
 class CheckpointError(StoreError):

@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from common.ids import DeviceId
-from common.job import JobSpec
+from common.ids import DeviceId, JobId
+from common.job import JOB_ID_PATTERN, JobSpec
 from common.plan import Plan
 from common.profile import ClusterSpec
 from common.zoo import ModelSpec
@@ -48,7 +48,8 @@ __all__ = [
     "message_adapter",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: Assign names no Redis; each worker uses its own URL, so no credentials travel."""
 
 
 class _Msg(BaseModel):
@@ -172,6 +173,8 @@ class Assign(_Msg):
     """Run stage `stage` of `plan` from the weights of checkpoint `from_round`.
 
     Re-sent with a new epoch to move a worker to other layers without restarting it.
+    Names no Redis: the worker reads and writes checkpoints through its own
+    configured Redis URL and cluster, so no credentials travel on the control plane.
     """
 
     type: Literal["assign"] = "assign"
@@ -181,8 +184,6 @@ class Assign(_Msg):
     stage: int
     peers: dict[str, str]
     from_round: int
-    store_url: str
-    cluster: str
     total_rounds: int = Field(0, ge=0, description="Rounds of the job, for the lr schedule.")
 
 
@@ -276,8 +277,8 @@ class CancelJob(_Msg):
     """Stop a submitted or running job; its last committed checkpoint stays."""
 
     type: Literal["cancel_job"] = "cancel_job"
-    job_id: str
-    reason: str = "cancelled by request"
+    job_id: JobId = Field(pattern=JOB_ID_PATTERN, description="The job to stop.")
+    reason: str = Field("cancelled by request", max_length=500)
 
 
 class JobReply(_Msg):

@@ -18,6 +18,7 @@ from common.secrets import mask_url
 
 __all__ = [
     "POOL_MAX_BYTES",
+    "REDIS_OUTAGE_S",
     "CommonSettings",
     "CoordinatorSettings",
     "ProfilerSettings",
@@ -26,6 +27,8 @@ __all__ = [
 
 POOL_MAX_BYTES = 4 << 30
 """Default cap on a task pool's bytes: far above what a round of an edge plan holds."""
+REDIS_OUTAGE_S = 120.0
+"""Default longest Redis outage a service waits out: a router's reboot, a Redis restart."""
 
 
 class CommonSettings(BaseSettings):
@@ -47,6 +50,12 @@ class CommonSettings(BaseSettings):
     )
     log_level: str = Field("info", description="Minimum log level.")
     heartbeat_s: float = Field(0.5, gt=0, description="Seconds between worker heartbeats.")
+    redis_outage_s: float = Field(
+        REDIS_OUTAGE_S,
+        gt=0,
+        description="Longest Redis outage a service rides out, retrying with backoff (a job "
+        "pauses at its next round boundary), before what waits fails with a named error.",
+    )
     max_header_bytes: int = Field(
         1 << 20, gt=0, description="Largest message header (msgpack frame) accepted."
     )

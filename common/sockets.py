@@ -2,6 +2,10 @@
 
 Every socket gets LINGER=0 (a dead peer never blocks shutdown) and receiving
 sockets get MAXMSGSIZE so ZeroMQ itself drops a peer that sends an absurd frame.
+A bound ROUTER also gets a receive high-water mark: once a peer has that many
+messages queued unread, ZeroMQ stops reading its connection until the service
+catches up, so a flooding peer fills its own send queue and the kernel's
+buffers, not the server's memory.
 
 With `keys` (a `common.curve.CurveKeys`), a bound ROUTER is a CURVE server whose
 ZAP handler admits only keys of the cluster's set in the given roles, and a
@@ -20,7 +24,16 @@ import zmq
 from common.codec import Limits
 from common.curve import CurveKeys, start_authenticator, stop_authenticator
 
-__all__ = ["bind_router", "connect_dealer", "poll_in"]
+__all__ = ["ROUTER_RCVHWM", "bind_router", "connect_dealer", "poll_in"]
+
+ROUTER_RCVHWM = 10_000
+"""Default messages a bound ROUTER queues unread per connected peer.
+
+Far more than any honest peer has in flight (a worker's heartbeats and
+replies, a pipeline's microbatches), so it never slows the protocol; a peer
+past it is throttled by ZeroMQ (its connection is not read) rather than
+buffered without bound.
+"""
 
 
 class _CurveServer(zmq.Socket[Any]):
@@ -43,13 +56,17 @@ def bind_router(
     limits: Limits,
     keys: CurveKeys | None = None,
     roles: Iterable[str] = ("worker",),
+    rcvhwm: int = ROUTER_RCVHWM,
 ) -> tuple[zmq.Socket[Any], str]:
     """A ROUTER bound to `addr` (port 0 or * picks a free one); returns it and its endpoint.
 
     With `keys` it is a CURVE server with that pair and admits only keys of
     the set whose role is in `roles`; a peer's User-Id frame property is then
-    "ROLE:NAME".
+    "ROLE:NAME". `rcvhwm` bounds the messages queued unread per peer (see
+    `ROUTER_RCVHWM`); it must be positive, as 0 would mean no bound at all.
     """
+    if rcvhwm < 1:
+        raise ValueError(f"a ROUTER's receive high-water mark must be >= 1, got {rcvhwm}")
     sock: zmq.Socket[Any]
     if keys is None:
         sock = ctx.socket(zmq.ROUTER)
@@ -67,7 +84,7 @@ def bind_router(
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_tensor_bytes + limits.max_header_bytes)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes over its identity
     if addr.endswith(":0"):

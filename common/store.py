@@ -11,15 +11,26 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
-from typing import Any, cast
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar, cast
 
 import redis
 
-from common.errors import StoreError
+from common.errors import StoreError, StoreUnavailable
+from common.logging import get_logger
 from common.secrets import mask_text, mask_url
 
-__all__ = ["Store"]
+__all__ = ["OUTAGE", "Store"]
+
+log = get_logger(__name__)
+T = TypeVar("T")
+OUTAGE = (redis.ConnectionError, redis.TimeoutError)
+"""What Redis raises while it is away (refused, reset, loading, timed out): worth waiting out.
+
+Other Redis errors (a wrong type, a refused command) are bugs or misconfiguration
+and are raised at once.
+"""
 
 CHUNK_BYTES = 4 << 20
 _GLOB = re.compile(r"([*?\[\]\\])")
@@ -34,6 +45,52 @@ class Store:
         self.where = mask_url(url)
         """The Redis URL with its password hidden: what errors and logs may show."""
         self.r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
+
+    def ride_out(
+        self,
+        op: Callable[[], T],
+        what: str,
+        patience_s: float,
+        idle: Callable[[float], object] = time.sleep,
+    ) -> T:
+        """`op()`, retried with backoff while Redis is away, for up to `patience_s`.
+
+        A service that needs Redis for its next step waits for it instead of
+        dying: `idle(seconds)` runs between attempts (the coordinator keeps
+        answering its socket there). Raises StoreUnavailable, naming `what` was
+        waiting and for how long, once the outage outlasts `patience_s`.
+        """
+        delay, began = 0.1, None
+        while True:
+            try:
+                result = op()
+            except OUTAGE as exc:
+                now = time.monotonic()
+                if began is None:
+                    began = now
+                    log.warning(
+                        "Redis unreachable; waiting for it",
+                        redis=self.where,
+                        waiting=what,
+                        patience_s=patience_s,
+                        error=mask_text(str(exc)),
+                    )
+                if now - began >= patience_s:
+                    raise StoreUnavailable(
+                        f"Redis at {self.where} unreachable for {now - began:.1f} s while "
+                        f"{what} (patience {patience_s:g} s): {mask_text(str(exc))}"
+                    ) from exc
+                idle(min(delay, max(0.0, began + patience_s - now)))
+                delay = min(2 * delay, 2.0)
+                continue
+            if began is not None:
+                log.info(
+                    "Redis is back",
+                    redis=self.where,
+                    waited=what,
+                    after_s=round(time.monotonic() - began, 2),
+                )
+            return result
 
     def key(self, *parts: object) -> str:
         """The full key for `parts` under this cluster's prefix."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from common.checkpoint import check_replicas, commit_checkpoint, latest_round, save_stage
-from common.errors import AsteroidError, CheckpointError, ConfigError
+from common.errors import AsteroidError, CheckpointError, ConfigError, StoreUnavailable
 from common.ids import DeviceId
 from common.job import JobSpec
 from common.job_data import eval_size
@@ -33,8 +34,10 @@ from common.messages import (
     SaveCheckpoint,
 )
 from common.plan import Plan
+from common.secrets import mask_text
+from common.store import OUTAGE
 from common.zoo import build_model
-from services.coordinator.lifecycle import JobState, advance
+from services.coordinator.lifecycle import TERMINAL, JobState, advance
 from services.coordinator.profiling import cluster_for, profile_budgets, profile_workers
 
 if TYPE_CHECKING:
@@ -82,11 +85,19 @@ class JobRun:
     # --- lifecycle -------------------------------------------------------------
 
     def record(self, to: JobState, **extra: Any) -> None:
-        """Move to state `to` and write it to Redis (hash and events stream)."""
+        """Move to state `to` and write it to Redis (hash and events stream).
+
+        A step of a live job waits for Redis (`durable`); an end state is written
+        as soon as Redis answers (`write_soon`), so an outage that ends the job
+        neither hides why nor leaves it `running`.
+        """
         self.state = advance(self.state, to)
-        self.store.set_fields({"state": to, "updated": time.time(), **extra}, "job", self.jid)
-        self.store.append("events", self.jid, {"event": to, **extra})
         log.info("job state", state=to, **extra)
+        write = partial(self.coord.write_state, self.jid, to, **extra)
+        if to in TERMINAL:
+            self.coord.write_soon(f"job {self.jid} {to}", write)
+        else:
+            self.coord.durable(f"recording job state {to}", write)
 
     def run(self, plan: Plan | None = None, resume: bool = False) -> JobSummary:
         """Run the job to its end; with `plan`, skip profiling and planning.
@@ -107,6 +118,10 @@ class JobRun:
         except AsteroidError as exc:
             self.record("failed", error=str(exc))
             raise
+        except OUTAGE as exc:  # a Redis step outside `durable` (profiling's cache, say)
+            error = f"Redis at {self.store.where} is unreachable: {mask_text(str(exc))}"
+            self.record("failed", error=error)
+            raise StoreUnavailable(error) from exc
         except KeyboardInterrupt:
             self.record("cancelled", reason="the coordinator was stopped")
             raise
@@ -144,13 +159,24 @@ class JobRun:
         job, jid, coord = self.job, self.jid, self.coord
         model = build_model(job.model, job.seed, coord.settings.model_modules).full()
         plan.validate_for(len(model))
-        self.store.put_json(plan.model_dump(mode="json"), "plan", jid)
+        store = self.store
+        coord.durable(
+            "storing the plan", lambda: store.put_json(plan.model_dump(mode="json"), "plan", jid)
+        )
         coord.wait_for_devices(plan.devices, coord.settings.join_timeout_s)
-        start = latest_round(self.store, jid) if resume else None
+        start = (
+            coord.durable("finding the checkpoint", lambda: latest_round(store, jid))
+            if resume
+            else None
+        )
         if start is None:
             start = 0
-            save_stage(self.store, jid, 0, model, None, 0)
-            commit_checkpoint(self.store, jid, 0, len(model))
+
+            def initial() -> None:
+                save_stage(store, jid, 0, model, None, 0)
+                commit_checkpoint(store, jid, 0, len(model))
+
+            coord.durable("saving the initial weights", initial)
         epoch = self._assign_all(plan, start)
         self.record("running", epoch=epoch, round=start, total_rounds=self.total)
         summary = JobSummary(job_id=jid, rounds=self.total)
@@ -172,7 +198,11 @@ class JobRun:
     def _assign_all(self, plan: Plan, start: int) -> int:
         """Give every device its stage under a new plan epoch; returns the epoch."""
         coord, s = self.coord, self.coord.settings
-        epoch = int(self.store.r.incr(self.store.key("epoch")))
+        epoch = int(
+            coord.durable(
+                "raising the plan epoch", lambda: self.store.r.incr(self.store.key("epoch"))
+            )
+        )
         peers = {str(d): coord.members[d].info.data_addr for d in plan.devices}
         for d in plan.devices:
             coord.send(
@@ -184,8 +214,6 @@ class JobRun:
                     stage=plan.stage_of(d),
                     peers=peers,
                     from_round=start,
-                    store_url=s.redis_url,
-                    cluster=s.cluster,
                     total_rounds=self.total,
                 ),
             )
@@ -225,7 +253,8 @@ class JobRun:
     ) -> None:
         """Record round `r` as committed: weights now belong to round r+1."""
         rate = plan.global_batch / elapsed
-        self.store.set_fields(
+        self._publish(
+            f"committing round {r}",
             {
                 "round": r + 1,
                 "epoch": epoch,
@@ -233,12 +262,6 @@ class JobRun:
                 "samples_per_s": rate,
                 "updated": time.time(),
             },
-            "job",
-            self.jid,
-        )
-        self.store.append(
-            "metrics",
-            self.jid,
             {
                 "round": r,
                 "loss": loss,
@@ -276,10 +299,9 @@ class JobRun:
         loss = sum(done[d].loss_sum for d in last) / max(1, samples)
         acc = sum(done[d].correct for d in last) / max(1, samples)
         summary.evals.append((round_no, loss, acc))
-        self.store.set_fields({"eval_loss": loss, "eval_accuracy": acc}, "job", self.jid)
-        self.store.append(
-            "metrics",
-            self.jid,
+        self._publish(
+            f"recording the evaluation of round {round_no}",
+            {"eval_loss": loss, "eval_accuracy": acc},
             {
                 "round": round_no - 1,
                 "eval_loss": loss,
@@ -296,6 +318,8 @@ class JobRun:
         replica that drifted from its leader fails the job instead of hiding.
         """
         coord = self.coord
+        # leaders write to Redis; they wait out an outage themselves, but none need start in one
+        coord.durable(f"checkpointing round {round_no}", self.store.r.ping)
         for d in plan.devices:
             coord.send(d, SaveCheckpoint(epoch=epoch, round=round_no))
         saved = coord.gather(
@@ -308,5 +332,22 @@ class JobRun:
             check_replicas(round_no, digests)
         except CheckpointError as exc:
             raise JobFailed(str(exc)) from exc
-        commit_checkpoint(self.store, self.jid, round_no, layers, digests)
-        self.store.append("events", self.jid, {"event": "checkpoint", "round": round_no})
+
+        def commit() -> None:
+            commit_checkpoint(self.store, self.jid, round_no, layers, digests)
+            self.store.append("events", self.jid, {"event": "checkpoint", "round": round_no})
+
+        coord.durable(f"committing the checkpoint of round {round_no}", commit)
+
+    def _publish(self, what: str, fields: dict[str, Any], metrics: dict[str, Any]) -> None:
+        """Update the job's hash and append to its metrics stream, waiting out an outage.
+
+        The job goes on only once both are written: a round is committed when Redis
+        says so, which is what makes an outage pause the job at a round boundary.
+        """
+
+        def write() -> None:
+            self.store.set_fields(fields, "job", self.jid)
+            self.store.append("metrics", self.jid, metrics)
+
+        self.coord.durable(what, write)

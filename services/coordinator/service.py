@@ -14,8 +14,9 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 import zmq
@@ -42,9 +43,10 @@ from common.messages import (
 )
 from common.plan import Plan
 from common.profile import ClusterSpec
+from common.secrets import mask_text
 from common.settings import CoordinatorSettings
 from common.sockets import bind_router
-from common.store import Store
+from common.store import OUTAGE, Store
 from services.coordinator.checks import check_job
 from services.coordinator.jobs import JobCancelled, JobFailed, JobRun, JobSummary
 from services.coordinator.lifecycle import ACTIVE
@@ -61,6 +63,7 @@ from services.coordinator.membership import (
 __all__ = ["Coordinator", "JobCancelled", "JobFailed", "JobSummary"]
 
 log = get_logger(__name__)
+T = TypeVar("T")
 NAME = "coordinator"
 PLANNER = "planner"
 _CLIENT_REQUESTS = ("submit_job", "cancel_job")
@@ -110,7 +113,9 @@ class Coordinator:
 
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
-        self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
+        # the control plane carries no tensors: a frame beyond one header is refused by
+        # ZeroMQ itself, so the queue of unread messages is bounded in bytes too
+        self.limits = Limits(settings.max_header_bytes, max_tensor_bytes=0, max_tensors=0)
         keys = load_keys(settings.keys, "coordinator")
         if keys is None and not is_loopback(settings.bind):
             raise ConfigError(
@@ -135,8 +140,9 @@ class Coordinator:
         )
         self.assigned: frozenset[DeviceId] = frozenset()
         """Devices the running job's plan names: never forgotten nor capped while it runs."""
-        self.heartbeat_counts = {v: 0 for v in Verdict} | {"expired": 0}
-        """Heartbeats by what became of them, and devices forgotten; logged when they change."""
+        self.heartbeat_counts = {v: 0 for v in Verdict} | {"expired": 0, "unrecorded": 0}
+        """Heartbeats by what became of them, devices forgotten, and device writes Redis
+        missed during an outage; logged when they change."""
         self._logged_counts = dict(self.heartbeat_counts)
         self._next_sweep = 0.0
         self.inbox: deque[tuple[DeviceId, Message]] = deque()
@@ -145,6 +151,62 @@ class Coordinator:
         self.queue: deque[tuple[JobSpec, int]] = deque()
         self.running: str | None = None
         self.cancelled: dict[str, str] = {}
+        self.unwritten: deque[tuple[str, Callable[[], object]]] = deque()
+        """Writes Redis missed during an outage that must still land (a job's end state)."""
+        self._next_flush = 0.0
+
+    # --- Redis outages ------------------------------------------------------------
+
+    def durable(self, what: str, op: Callable[[], T]) -> T:
+        """`op()`, the Redis step a job needs before it goes on, waiting out an outage.
+
+        While Redis is away the coordinator keeps answering its socket (heartbeats,
+        submits, cancels) between attempts, so a running job pauses where it is
+        (at a round boundary: no round starts before the last one is committed)
+        and resumes when Redis is back, or fails with StoreUnavailable after
+        `redis_outage_s`.
+        """
+        return self.store.ride_out(op, what, self.settings.redis_outage_s, idle=self._idle)
+
+    def _idle(self, seconds: float) -> None:
+        """Serve the socket for `seconds`; a cancel of the running job takes effect here too."""
+        self.pump(seconds)
+        if self.running:
+            self.check_cancelled(self.running)
+
+    def write_soon(self, what: str, op: Callable[[], object]) -> None:
+        """`op()` now, or once Redis is back: for writes nothing waits on but that must land.
+
+        A job that ends during an outage must not stay `running` in Redis while
+        this coordinator lives: its end state is kept and written by `pump` as
+        soon as Redis answers again, in order.
+        """
+        if not self.unwritten:
+            try:
+                op()
+                return
+            except OUTAGE as exc:
+                log.warning(
+                    "Redis unreachable; will write when it is back",
+                    write=what,
+                    redis=self.store.where,
+                    error=mask_text(str(exc)),
+                )
+        self.unwritten.append((what, op))
+
+    def _flush_unwritten(self, now: float) -> None:
+        """Write what an outage held back, oldest first; stop at the first failure."""
+        if not self.unwritten or now < self._next_flush:
+            return
+        self._next_flush = now + 1.0
+        while self.unwritten:
+            what, op = self.unwritten[0]
+            try:
+                op()
+            except OUTAGE:
+                return
+            self.unwritten.popleft()
+            log.info("wrote what Redis missed", write=what)
 
     # --- transport --------------------------------------------------------------
 
@@ -190,6 +252,8 @@ class Coordinator:
             elif (why := role_refusal(env.user, env.msg.type)) is not None:
                 self.bad_messages += 1
                 log.warning("dropped message outside its key's role", peer=peer, reason=why)
+                if isinstance(env.msg, SubmitJob | CancelJob):  # an operator mistake: say so
+                    self.send(DeviceId(peer), JobReply(job_id="", ok=False, error=why))
             elif isinstance(env.msg, Heartbeat):
                 self._heartbeat(env.msg)
             elif isinstance(env.msg, ServiceHello):
@@ -225,9 +289,12 @@ class Coordinator:
         if verdict is Verdict.JOINED:
             log.info("worker joined", worker=hb.device, data=hb.data_addr)
         if verdict is not Verdict.LIMITED:
-            self.store.set_fields(
-                {**hb.model_dump(mode="json"), "seen": time.time()}, "device", hb.device
-            )
+            try:
+                self.store.set_fields(
+                    {**hb.model_dump(mode="json"), "seen": time.time()}, "device", hb.device
+                )
+            except OUTAGE:  # the next heartbeat's write a second later catches up
+                self.heartbeat_counts["unrecorded"] += 1
 
     def _sweep(self) -> None:
         """Forget devices not heard from for the expiry time (memory and their Redis key).
@@ -236,6 +303,7 @@ class Coordinator:
         when they changed, so a flood shows in the log without a line per message.
         """
         now = time.monotonic()
+        self._flush_unwritten(now)
         if now < self._next_sweep:
             return
         self._next_sweep = now + min(1.0, self.rules.expiry_s / 4)
@@ -243,7 +311,8 @@ class Coordinator:
         if gone:
             self.members = forget(self.members, gone)
             # exact keys, one per device: never a pattern built from a peer's name
-            self.store.r.delete(*(self.store.key("device", d) for d in gone))
+            keys = [self.store.key("device", d) for d in gone]
+            self.write_soon("forget silent devices", lambda: self.store.r.delete(*keys))
             self.heartbeat_counts["expired"] += len(gone)
             log.info("forgot silent devices", count=len(gone), first=gone[0])
         if self.heartbeat_counts != self._logged_counts:
@@ -406,7 +475,8 @@ class Coordinator:
         )
         if not reply.ok:
             raise PlanError(f"planner {req.planner!r} failed: {reply.error}")
-        return Plan.model_validate(self.store.get_json("plan", req.job_id))
+        stored = self.durable("reading the plan", lambda: self.store.get_json("plan", req.job_id))
+        return Plan.model_validate(stored)
 
     # --- jobs -------------------------------------------------------------------
 
@@ -422,11 +492,15 @@ class Coordinator:
         another run's checkpoints by itself.
         """
         total = check_job(job, self.settings.model_modules)
-        if resume:
-            self._check_resumable(job.job_id, total)
-        else:
-            self._check_fresh(job.job_id, replace, "--replace")
-        self._register(job, total, forget_old=replace and not resume)
+
+        def admit_job() -> None:
+            if resume:
+                self._check_resumable(job.job_id, total)
+            else:
+                self._check_fresh(job.job_id, replace, "--replace")
+            self._register(job, total, forget_old=replace and not resume)
+
+        self.durable(f"registering job {job.job_id}", admit_job)
         return JobRun(self, job, total).run(plan, resume)
 
     def _existing(self, jid: str) -> str | None:
@@ -480,9 +554,16 @@ class Coordinator:
                 log.error("job ended", job=job.job_id, error=str(exc))
             except Exception as exc:  # one job's unforeseen error ends that job, not the service
                 log.exception("job crashed", job=job.job_id)
-                error = f"job {job.job_id} crashed in the coordinator: {exc!r}"
-                self.store.set_fields({"state": "failed", "error": error}, "job", job.job_id)
-                self.store.append("events", job.job_id, {"event": "failed", "error": error})
+                self.write_soon(
+                    f"job {job.job_id} failed",
+                    partial(
+                        self.write_state,
+                        job.job_id,
+                        "failed",
+                        error=f"job {job.job_id} "
+                        f"crashed in the coordinator: {mask_text(repr(exc))}",
+                    ),
+                )
             if stop_after == job.job_id:
                 return summary
 
@@ -495,6 +576,11 @@ class Coordinator:
         self._check_fresh(job.job_id, replace, "submit with --replace")
         self._register(job, total, forget_old=replace)
         self.queue.append((job, total))
+
+    def write_state(self, jid: str, state: str, **extra: Any) -> None:
+        """Write a job's state: its hash and its events stream."""
+        self.store.set_fields({"state": state, "updated": time.time(), **extra}, "job", jid)
+        self.store.append("events", jid, {"event": state, **extra})
 
     def _register(self, job: JobSpec, total: int, forget_old: bool = False) -> None:
         """Record the job as submitted; with `forget_old`, delete an earlier run of this id.
@@ -542,6 +628,13 @@ class Coordinator:
         except ConfigError as exc:
             self.send(DeviceId(peer), JobReply(job_id=jid, ok=False, error=str(exc)))
             return
+        except OUTAGE as exc:
+            error = (
+                f"Redis at {self.store.where} is unreachable ({mask_text(str(exc))}): nothing "
+                f"was queued; submit job {jid} again once it is back"
+            )
+            self.send(DeviceId(peer), JobReply(job_id=jid, ok=False, error=error))
+            return
         except Exception as exc:  # a job must not take the coordinator down; say what broke
             log.exception("job check failed", job=jid, by=peer)
             error = f"job {jid} from {peer} cannot be checked: {exc!r}"
@@ -551,20 +644,21 @@ class Coordinator:
         self.send(DeviceId(peer), JobReply(job_id=jid, ok=True))
 
     def _on_cancel(self, peer: str, msg: CancelJob) -> None:
-        try:
-            jid = check_job_id(msg.job_id, peer)
-        except ConfigError as exc:
-            self.send(DeviceId(peer), JobReply(job_id="", ok=False, error=str(exc)))
-            return
+        jid = msg.job_id  # matched the job-id pattern when the message was decoded
         queued = [q for q, _ in self.queue if q.job_id == jid]
         if queued:
             self.queue = deque((q, t) for q, t in self.queue if q.job_id != jid)
-            self.store.set_fields({"state": "cancelled", "reason": msg.reason}, "job", jid)
-            self.store.append("events", jid, {"event": "cancelled", "reason": msg.reason})
+            self.write_soon(
+                f"job {jid} cancelled",
+                partial(self.write_state, jid, "cancelled", reason=msg.reason),
+            )
         elif self.running == jid:
             self.cancelled[jid] = msg.reason
         else:
-            state = self.store.get_fields("job", jid).get("state", "unknown")
+            try:
+                state = self.store.get_fields("job", jid).get("state", "unknown")
+            except OUTAGE:
+                state = "unknown while Redis is unreachable"
             self.send(
                 DeviceId(peer),
                 JobReply(

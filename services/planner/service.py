@@ -4,6 +4,10 @@ The planner is a DEALER on the coordinator's control plane (identity
 "planner"), like every service: it announces itself periodically, answers
 each PlanRequest with a PlanReply, and writes the plan to Redis under
 `plan:<job>` so that the coordinator (and people) read it from one place.
+
+Exit codes (`common.exit_codes.ExitCode`): 0 stopped by SIGTERM/SIGINT, 2
+invalid settings, such as a `--keys` directory without this service's key or
+the coordinator's public key.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp
 
 from common.codec import Limits, encode, recv_message
-from common.curve import COORDINATOR, load_keys
+from common.curve import COORDINATOR, CurveKeys, load_keys
 from common.errors import AsteroidError, ConfigError, ProtocolError
+from common.exit_codes import ExitCode
 from common.logging import configure_logging, get_logger
 from common.messages import PlanReply, PlanRequest, ServiceHello
 from common.plan import Plan
@@ -32,7 +37,7 @@ from common.store import Store
 from services.planner.base import get_planner
 from services.planner.cost import CostModel
 
-__all__ = ["IDENTITY", "PlannerService", "load_profiles", "main", "make_plan"]
+__all__ = ["IDENTITY", "PlannerService", "load_profiles", "main", "make_plan", "run"]
 
 log = get_logger(__name__)
 IDENTITY = "planner"
@@ -60,22 +65,56 @@ def make_plan(store: Store, req: PlanRequest) -> Plan:
     return plan
 
 
+def _load_curve(settings: CommonSettings) -> tuple[CurveKeys | None, bytes | None]:
+    """The planner's pair and the coordinator's public key; (None, None) without `--keys`.
+
+    Raises:
+        ConfigError: A file is missing or unreadable; says which and how to make it.
+
+    """
+    root = settings.keys
+    try:
+        keys = load_keys(root, "service", IDENTITY)  # its error names the file and the command
+        if keys is None:
+            return None, None
+        try:
+            return keys, keys.server_key("coordinator", COORDINATOR)
+        except ConfigError as exc:
+            # made with the set by `asteroid keys init`; a new one here would not match
+            raise ConfigError(
+                f"{exc} (copy it from the key set `asteroid keys init` made: every device "
+                "needs the set's public files)"
+            ) from exc
+    except (OSError, ValueError) as exc:  # an unreadable directory or file, a corrupt key
+        raise ConfigError(
+            f"cannot read the CURVE key set {root}: {exc} (it must be a readable directory "
+            f"made by `asteroid keys init {root} --service {IDENTITY}`)"
+        ) from exc
+
+
 class PlannerService:
     """The planner's control-plane loop."""
 
     def __init__(self, settings: CommonSettings) -> None:
+        """Connect to the coordinator.
+
+        Raises:
+            ConfigError: `--keys` lacks a key this service needs.
+            zmq.ZMQError: The coordinator's address is invalid.
+
+        """
         self.settings = settings
         self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
-        self.store = Store(settings.redis_url, settings.cluster)
+        keys, server_key = _load_curve(settings)  # before anything that needs closing
         self.ctx: zmq.Context[Any] = zmq.Context()
-        keys = load_keys(settings.keys, "service", IDENTITY)  # services/planner.key_secret
-        self.sock = connect_dealer(
-            self.ctx,
-            settings.coordinator,
-            IDENTITY,
-            keys=keys,
-            server_key=keys.server_key("coordinator", COORDINATOR) if keys else None,
-        )
+        try:
+            self.sock = connect_dealer(
+                self.ctx, settings.coordinator, IDENTITY, keys=keys, server_key=server_key
+            )
+        except zmq.ZMQError:
+            self.ctx.destroy(linger=0)  # also closes the socket the failed connect left open
+            raise
+        self.store = Store(settings.redis_url, settings.cluster)
         self.stopping = threading.Event()
 
     def serve(self) -> None:
@@ -127,11 +166,16 @@ class PlannerService:
         )
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of `asteroid-planner`."""
-    settings = CliApp.run(CommonSettings, cli_args=sys.argv[1:] if argv is None else argv)
-    configure_logging(settings.log_level, settings.log_format, service=IDENTITY)
-    service = PlannerService(settings)
+def run(settings: CommonSettings) -> ExitCode:
+    """Serve until SIGTERM or SIGINT (exit code OK); a bad setting is one log line, not a trace."""
+    try:
+        service = PlannerService(settings)
+    except ConfigError as exc:
+        log.error("planner cannot start", keys=str(settings.keys), error=str(exc))
+        return ExitCode.CONFIG
+    except zmq.ZMQError as exc:
+        log.error("invalid coordinator address", address=settings.coordinator, error=str(exc))
+        return ExitCode.CONFIG
 
     def _stop(signum: int, _: object) -> None:
         service.stopping.set()
@@ -139,6 +183,14 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     service.serve()
+    return ExitCode.OK
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `asteroid-planner`."""
+    settings = CliApp.run(CommonSettings, cli_args=sys.argv[1:] if argv is None else argv)
+    configure_logging(settings.log_level, settings.log_format, service=IDENTITY)
+    sys.exit(int(run(settings)))
 
 
 if __name__ == "__main__":

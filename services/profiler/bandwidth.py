@@ -9,6 +9,13 @@ acknowledges the last message, so the prober's clock covers every byte.
 The probe speaks a private header (not the `common.messages` union) so that a
 bandwidth sink never mixes with a worker's task pool. A handshake first makes
 sure the sink is there and measures the round trip; every wait has a deadline.
+
+With CURVE keys (`common.curve`) the probe is secured like the data plane it
+measures, and so also measures the encryption's cost: the sink is a CURVE
+server with its worker's own pair and admits only worker keys of the set, and
+the prober is a CURVE client with its own pair and the sink worker's public
+key. A prober without an admitted key is refused at the handshake, so it hears
+nothing and fails with BandwidthError at its deadline.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +32,7 @@ import zmq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.codec import Limits
+from common.curve import CurveKeys
 from common.errors import AsteroidError
 from common.logging import get_logger
 from common.sockets import bind_router, connect_dealer, poll_in
@@ -88,6 +97,11 @@ class BandwidthSink(threading.Thread):
     Run it on a device (a worker can start one beside its data socket) and give
     its `endpoint` to probers. A malformed frame is logged with its sender and
     dropped; probes unfinished after `stale_s` are forgotten.
+
+    With `keys` (the device's worker pair) it is a CURVE server admitting keys
+    of the set in `roles`, as the worker's data socket is, and takes a message
+    only under a routing identity of its key's name ("NAME/..."), so one
+    admitted prober cannot pose as another.
     """
 
     def __init__(
@@ -96,10 +110,13 @@ class BandwidthSink(threading.Thread):
         bind: str = "tcp://127.0.0.1:0",
         limits: Limits | None = None,
         stale_s: float = 60.0,
+        keys: CurveKeys | None = None,
+        roles: Iterable[str] = ("worker",),
     ) -> None:
         super().__init__(name="bandwidth-sink", daemon=True)
         self.limits = limits or Limits()
-        self._sock, self.endpoint = bind_router(ctx, bind, self.limits)
+        self._sock, self.endpoint = bind_router(ctx, bind, self.limits, keys=keys, roles=roles)
+        self._curve = keys is not None
         self.stale_s = stale_s
         self.stop = threading.Event()
         self.bad_messages = 0
@@ -135,6 +152,8 @@ class BandwidthSink(threading.Thread):
         try:
             if len(frames) not in (2, 3):
                 raise ValueError(f"{len(frames) - 1} frames after the route, expected 1 or 2")
+            if self._curve:
+                _check_user(frames[1], peer)
             header = _unpack(frames[1].bytes, self.limits)
             payload = len(frames[2].buffer) if len(frames) == 3 else 0
             reply = self._handle(route, header, payload)
@@ -171,6 +190,22 @@ class BandwidthSink(threading.Thread):
         now = time.monotonic()
         for key in [k for k, s in self._streams.items() if now - s.started > self.stale_s]:
             del self._streams[key]
+
+
+def _check_user(frame: zmq.Frame, peer: str) -> None:
+    """ValueError unless `peer` is the name (or "NAME/...") of the key that sent `frame`.
+
+    The ZAP handler proved the key; the routing identity is only claimed.
+    """
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        user = ""
+    _, _, name = (user if isinstance(user, str) else "").partition(":")
+    if not name:
+        raise ValueError("CURVE message without an authenticated key (no User-Id)")
+    if peer != name and not peer.startswith(name + "/"):
+        raise ValueError(f"routing identity {peer!r} differs from its key's name {name!r}")
 
 
 @dataclass(frozen=True)
@@ -216,7 +251,7 @@ def _await(
             return got
     raise BandwidthError(
         f"no {want.kind!r} reply from a bandwidth sink at {addr} within the probe's "
-        f"{timeout_s} s (is a sink running there?)"
+        f"{timeout_s} s (is a sink running there, and does it admit this prober's key?)"
     )
 
 
@@ -226,15 +261,22 @@ def probe_link(
     nbytes: int = 1 << 20,
     count: int = 32,
     timeout_s: float = 10.0,
+    keys: CurveKeys | None = None,
+    sink: str | None = None,
 ) -> LinkProbe:
     """Stream `count` messages of `nbytes` to the sink at `peer_addr` and time them.
 
     `timeout_s` bounds the whole probe: handshake, sending and acknowledgement.
+    With `keys` (the prober's own pair) the probe is a CURVE client of the sink
+    run by worker `sink`, whose public key it takes from the key set.
 
     Raises:
-        BandwidthError: No sink answered, or it did not acknowledge every message
-            in time, or it answered nonsense.
-        ValueError: `nbytes`, `count` or `timeout_s` out of range.
+        BandwidthError: No sink answered (none runs there, or it refused this
+            prober's key), or it did not acknowledge every message in time, or
+            it answered nonsense.
+        ConfigError: `sink` has no public key in the key set.
+        ValueError: `nbytes`, `count` or `timeout_s` out of range, or `keys`
+            without `sink`.
 
     """
     if nbytes < 1 or not 1 <= count <= MAX_COUNT or timeout_s <= 0:
@@ -242,9 +284,16 @@ def probe_link(
             f"need nbytes >= 1, 1 <= count <= {MAX_COUNT} and timeout_s > 0, "
             f"got {nbytes}, {count} and {timeout_s}"
         )
+    if keys is not None and sink is None:
+        raise ValueError(f"a CURVE probe of {peer_addr} needs the name of the sink's worker")
+    server_key = keys.server_key("worker", sink) if keys is not None and sink else None
     deadline = time.monotonic() + timeout_s
     probe = uuid.uuid4().hex[:16]
-    sock = connect_dealer(ctx, peer_addr, f"bw-{probe}", send_timeout_s=timeout_s)
+    # under CURVE the identity must be the key's name, one session of it per probe
+    identity = f"{keys.name}/bw-{probe}" if keys is not None else f"bw-{probe}"
+    sock = connect_dealer(
+        ctx, peer_addr, identity, send_timeout_s=timeout_s, keys=keys, server_key=server_key
+    )
     try:
         hello = _Header(kind="hello", probe=probe, count=count, nbytes=nbytes)
         t0 = time.perf_counter()
@@ -276,6 +325,8 @@ def probe_bandwidth(
     nbytes: int = 1 << 20,
     count: int = 32,
     timeout_s: float = 10.0,
+    keys: CurveKeys | None = None,
+    sink: str | None = None,
 ) -> float:
     """Megabytes (1e6 bytes) per second to the sink at `peer_addr`; see `probe_link`."""
-    return probe_link(ctx, peer_addr, nbytes, count, timeout_s).mb_per_s
+    return probe_link(ctx, peer_addr, nbytes, count, timeout_s, keys, sink).mb_per_s

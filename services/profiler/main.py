@@ -8,8 +8,10 @@ With `--serve` the profiler instead answers the coordinator's requests until
 stopped (see `services.profiler.service`).
 
 Exit codes: 0 profile ready (with `--serve`: stopped by SIGTERM/SIGINT, like
-the planner service), 2 invalid settings or model, 3 Redis unreachable or
-profiling failed, 130 interrupted (`common.exit_codes.ExitCode`).
+the planner service), 2 invalid settings or model (with `--serve`: also a
+`--keys` directory without a service key or the coordinator's public key), 3
+Redis unreachable or profiling failed, 130 interrupted
+(`common.exit_codes.ExitCode`).
 """
 
 from __future__ import annotations
@@ -229,6 +231,9 @@ def serve(settings: ProfilerSettings) -> ExitCode:
     """Answer profile requests until SIGTERM or SIGINT, which stop it cleanly (exit code OK)."""
     try:
         service = ProfilerService(settings)
+    except ConfigError as exc:
+        log.error("profiler service cannot start", keys=str(settings.keys), error=str(exc))
+        return ExitCode.CONFIG
     except zmq.ZMQError as exc:
         log.error("invalid coordinator address", address=settings.coordinator, error=str(exc))
         return ExitCode.CONFIG

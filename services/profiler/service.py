@@ -27,8 +27,8 @@ import torch
 import zmq
 
 from common.codec import Limits, encode, recv_message
-from common.curve import COORDINATOR, load_keys
-from common.errors import AsteroidError, ProtocolError
+from common.curve import COORDINATOR, CurveKeys, load_keys
+from common.errors import AsteroidError, ConfigError, ProtocolError
 from common.logging import get_logger
 from common.messages import ProfileReply, ProfileRequest, ServiceHello
 from common.settings import ProfilerSettings
@@ -74,6 +74,33 @@ def _error(req: ProfileRequest, error: str) -> ProfileReply:
     return ProfileReply(job_id=req.job_id, fingerprint=req.fingerprint, ok=False, error=error)
 
 
+def _load_curve(settings: ProfilerSettings) -> tuple[CurveKeys | None, bytes | None]:
+    """The one service pair in `--keys` and the coordinator's public key; (None, None) without.
+
+    Raises:
+        ConfigError: A file is missing or unreadable; says which and how to make it.
+
+    """
+    root = settings.keys
+    try:
+        keys = load_keys(root, "service")  # its error names the folder and the command
+        if keys is None:
+            return None, None
+        try:
+            return keys, keys.server_key("coordinator", COORDINATOR)
+        except ConfigError as exc:
+            # made with the set by `asteroid keys init`; a new one here would not match
+            raise ConfigError(
+                f"{exc} (copy it from the key set `asteroid keys init` made: every device "
+                "needs the set's public files)"
+            ) from exc
+    except (OSError, ValueError) as exc:  # an unreadable directory or file, a corrupt key
+        raise ConfigError(
+            f"cannot read the CURVE key set {root}: {exc} (it must be a readable directory "
+            f"made by `asteroid keys init {root} --service NAME`)"
+        ) from exc
+
+
 class _Stopped(BaseException):
     """Ends a measurement when the service stops: control flow, not an error to report."""
 
@@ -82,20 +109,28 @@ class ProfilerService:
     """The profiler's control-plane loop (main thread) and its measuring thread."""
 
     def __init__(self, settings: ProfilerSettings) -> None:
+        """Connect to the coordinator.
+
+        Raises:
+            ConfigError: `--keys` lacks a key this service needs.
+            zmq.ZMQError: The coordinator's address is invalid.
+
+        """
         self.settings = settings
-        # with keys: the one service secret in the key dir, one session of it per process
-        keys = load_keys(settings.keys, "service")
+        # with keys: the one service secret in the key dir, one session of it per process;
+        # loaded before anything that needs closing
+        keys, server_key = _load_curve(settings)
         self.identity = f"{keys.name}/{service_identity()}" if keys else service_identity()
         self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
-        self.store = Store(settings.redis_url, settings.cluster)
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.sock = connect_dealer(
-            self.ctx,
-            settings.coordinator,
-            self.identity,
-            keys=keys,
-            server_key=keys.server_key("coordinator", COORDINATOR) if keys else None,
-        )
+        try:
+            self.sock = connect_dealer(
+                self.ctx, settings.coordinator, self.identity, keys=keys, server_key=server_key
+            )
+        except zmq.ZMQError:
+            self.ctx.destroy(linger=0)  # also closes the socket the failed connect left open
+            raise
+        self.store = Store(settings.redis_url, settings.cluster)
         self.stopping = threading.Event()
         self._todo: queue.Queue[ProfileRequest] = queue.Queue()
         self._done: queue.Queue[ProfileReply] = queue.Queue()

@@ -109,7 +109,9 @@ class Worker:
         self.runner: StageRunner | None = None
         self.state = "idle"
         self.stopping = threading.Event()
-        self._stores: dict[tuple[str, str], Store] = {}
+        # The worker's own Redis URL and credentials (its per-role ACL user), never the
+        # coordinator's: assignments name no Redis. redis-py connects on first use.
+        self.store = Store(settings.redis_url, settings.cluster)
 
     def _heartbeat(self) -> Heartbeat:
         r = self.runner
@@ -130,12 +132,6 @@ class Worker:
             state=self.state,
         )
 
-    def _store(self, url: str, cluster: str) -> Store:
-        key = (url, cluster)
-        if key not in self._stores:
-            self._stores[key] = Store(url, cluster)
-        return self._stores[key]
-
     def serve(self) -> None:
         """Run until told to shut down (or SIGTERM/SIGINT)."""
         _warm_up()
@@ -144,7 +140,12 @@ class Worker:
         self.receiver.start()
         self.dispatcher.start()
         self.control.start()
-        log.info("worker started", data=self.data_addr, coordinator=self.settings.coordinator)
+        log.info(
+            "worker started",
+            data=self.data_addr,
+            coordinator=self.settings.coordinator,
+            redis=self.store.where,
+        )
         try:
             while not self.stopping.is_set():
                 try:
@@ -204,15 +205,15 @@ class Worker:
         self.state = "loading"
         self.runner = None
         self.dispatcher.set_peers(msg.peers)
-        store = self._store(msg.store_url, msg.cluster)
         self.runner = StageRunner(
             msg,
             self.device,
-            store,
+            self.store,
             self.pool,
             self.dispatcher,
             self.settings.task_timeout_s,
             self.settings.model_modules,
+            self.settings.redis_outage_s,
         )
         bind_global(job=msg.job.job_id, stage=msg.stage, epoch=msg.epoch)
         self.state = "ready"
@@ -286,8 +287,7 @@ class Worker:
         self.dispatcher.close()
         self.receiver.join(timeout=5)
         self.dispatcher.join(timeout=5)
-        for store in self._stores.values():
-            store.close()
+        self.store.close()
         self.ctx.destroy(linger=0)
 
 
@@ -307,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     def _stop(signum: int, _: object) -> None:
         log.info("signal received", signal=signal.Signals(signum).name)
         worker.stopping.set()
+        # a command waiting for a peer or for Redis gives up now instead of at its timeout
+        worker.pool.abort(f"the worker is stopping ({signal.Signals(signum).name})")
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)

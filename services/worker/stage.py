@@ -19,13 +19,14 @@ import torch
 from torch import nn
 
 from common.checkpoint import load_stage, restore_optimizer, save_stage, stage_digest
-from common.errors import ConfigError
+from common.errors import ConfigError, RoundAbortedError
 from common.ids import DeviceId
 from common.job import OptimizerSpec, learning_rate
 from common.job_data import open_data
 from common.messages import Activation, Assign, Gradient, ReduceChunk, StageTimings
 from common.plan import routes
 from common.saved_bytes import SavedBytes, weight_storages
+from common.settings import REDIS_OUTAGE_S
 from common.store import Store
 from common.zoo import build_model
 from services.worker.allreduce import ring_allreduce
@@ -121,8 +122,11 @@ class StageRunner:
         dispatcher: Dispatcher,
         task_timeout_s: float,
         allowed_modules: tuple[str, ...] = (),
+        store_patience_s: float = REDIS_OUTAGE_S,
     ) -> None:
         self.assign, self.device, self.store = assign, device, store
+        self.store_patience_s = store_patience_s
+        """How long a checkpoint waits out a Redis outage (the worker's redis_outage_s)."""
         self.pool, self.out, self.timeout = pool, dispatcher, task_timeout_s
         plan, p = assign.plan, assign.stage
         self.plan, self.p, self.epoch = plan, p, assign.epoch
@@ -149,8 +153,11 @@ class StageRunner:
         # user modules come from this worker's own settings (model_modules), never from the Assign
         zoo = build_model(assign.job.model, assign.job.seed, allowed_modules)
         self.module = zoo.stage(self.start, self.end)
-        weights, optim_state = load_stage(
-            store, assign.job.job_id, assign.from_round, self.start, self.end
+        weights, optim_state = store.ride_out(
+            lambda: load_stage(store, assign.job.job_id, assign.from_round, self.start, self.end),
+            f"loading the checkpoint of round {assign.from_round}",
+            store_patience_s,
+            self._idle,
         )
         self.module.load_state_dict(weights)
         self.module.train()
@@ -353,6 +360,12 @@ class StageRunner:
                 b.copy_(total[offset : offset + n].view_as(b))
                 offset += n
 
+    def _idle(self, seconds: float) -> None:
+        """Wait `seconds` between Redis attempts; give up at once if the worker is stopping."""
+        time.sleep(seconds)
+        if self.pool.aborted is not None:
+            raise RoundAbortedError(self.pool.aborted)
+
     def run_eval(self, round_no: int, batches: int) -> EvalResult:
         """Evaluate the weights of round `round_no` on `batches` held-out global batches."""
         return evaluate(self, round_no, batches)
@@ -367,12 +380,17 @@ class StageRunner:
         """
         layers = []
         if self.is_leader:
-            layers = save_stage(
-                self.store,
-                self.assign.job.job_id,
-                round_no,
-                self.module,
-                self.optimizer,
-                self.start,
+            layers = self.store.ride_out(
+                lambda: save_stage(
+                    self.store,
+                    self.assign.job.job_id,
+                    round_no,
+                    self.module,
+                    self.optimizer,
+                    self.start,
+                ),
+                f"saving the checkpoint of round {round_no}",
+                self.store_patience_s,
+                self._idle,
             )
         return layers, stage_digest(self.module, self.optimizer)

@@ -1,10 +1,14 @@
-"""Transport benchmark: the worker data plane against raw TCP, ring all-reduce against gloo.
+"""Transport benchmark: the worker data plane against raw TCP, ring all-reduce against gloo,
+and the cost of CURVE encryption on both.
 
     python -m tests.bench.bench_transport [--out DIR] [--quick]
 
-Both contenders of a comparison run side by side in the same child processes on
+All contenders of a comparison run side by side in the same child processes on
 loopback, in alternating order, repeated; the report gives medians. Our side is the
 real worker path: `Dispatcher` -> DEALER -> ROUTER -> `Receiver` -> `TaskPool`.
+Its CURVE twin is the same path built with the keys a worker gets (a key set made
+in a temporary directory per run), so "ours" against "ours+CURVE" is the price
+of encryption and authentication on the data plane.
 Every child pins torch to one thread, kills itself after a deadline (SIGALRM) and
 is killed by the parent on exit; every wait on a child is bounded.
 
@@ -26,6 +30,7 @@ import socket
 import statistics
 import struct
 import sys
+import tempfile
 import time
 import traceback
 from collections import defaultdict
@@ -40,6 +45,7 @@ import torch.distributed as dist
 import zmq
 
 from common.codec import Limits
+from common.curve import CurveKeys, create_key_set
 from common.memory import keep_freed_memory
 from common.messages import ReduceChunk
 from services.worker.allreduce import ring_allreduce
@@ -50,6 +56,11 @@ KiB, MiB = 1 << 10, 1 << 20
 EPOCH = 1
 STEP_TIMEOUT_S = 120.0  # longest any single wait on a child or a peer may take
 OURS, RAW, GLOO = "ours", "raw TCP", "gloo"
+CURVE = "ours+CURVE"
+"""Our path with every data-plane socket a CURVE client or server, as with a key set."""
+PLAIN = "plain"
+"""Baseline label of the CURVE rows: our path without keys."""
+SENDER, RECEIVER = "sender", "receiver"
 THROUGHPUT_TARGET = 0.80  # ours / raw, for messages of at least 1 MiB
 ALLREDUCE_TARGET = 1.50  # ours / gloo
 LOCALHOST = "127.0.0.1"
@@ -70,6 +81,7 @@ class Config:
     reduce_iters: int = 4  # timed all-reduces per measurement (after one warm-up)
     reduce_repeats: int = 5
     child_deadline_s: int = 900
+    curve_sizes: tuple[int, ...] = (MiB, 32 * MiB)  # stream sizes also measured with CURVE
 
 
 QUICK = Config(
@@ -100,13 +112,27 @@ class Row:
         return self.ours / self.base
 
     @property
+    def curve(self) -> bool:
+        """A CURVE row: ours with encryption against ours without (no target)."""
+        return self.baseline == PLAIN
+
+    @property
+    def time_ratio(self) -> float:
+        """Time with the subject over time with the baseline, whatever the unit."""
+        return self.base / self.ours if self.unit == "MB/s" else self.ratio
+
+    @property
     def target(self) -> str:
+        if self.curve:
+            return "-"
         if self.bench == "allreduce":
             return f"<= {ALLREDUCE_TARGET:.2f}"
         return f">= {THROUGHPUT_TARGET:.2f}" if self.nbytes >= MiB else "-"
 
     @property
     def met(self) -> bool | None:
+        if self.curve:
+            return None
         if self.bench == "allreduce":
             return self.ratio <= ALLREDUCE_TARGET
         return self.ratio >= THROUGHPUT_TARGET if self.nbytes >= MiB else None
@@ -204,26 +230,50 @@ def _take_ours(pool: TaskPool, count: int, round_no: int) -> torch.Tensor:
     return tensor
 
 
-def _start_receiver(ctx: zmq.Context[Any]) -> tuple[TaskPool, Receiver]:
+def _start_receiver(
+    ctx: zmq.Context[Any], keys: CurveKeys | None = None
+) -> tuple[TaskPool, Receiver]:
     pool = TaskPool()
     pool.reset(EPOCH, 0, (0, 0))
-    rx = Receiver(ctx, f"tcp://{LOCALHOST}:0", Limits(), pool)
+    rx = Receiver(ctx, f"tcp://{LOCALHOST}:0", Limits(), pool, keys=keys)
     rx.start()
     return pool, rx
 
 
-def stream_receiver(ctrl: Connection, ack: Connection) -> None:
-    """Child: receives each stream (ours or raw), checks the last tensor, acks the sender."""
-    pool, rx = _start_receiver(zmq.Context())
+def _worker_keys(keys_root: str, name: str) -> CurveKeys:
+    """The pair a worker named `name` loads from the run's key set."""
+    return CurveKeys.load(Path(keys_root), "worker", name)
+
+
+def _stop_receivers(*receivers: Receiver) -> None:
+    """Stop the receiver threads and let them close their sockets (a CURVE server's
+    close also stops its context's ZAP handler)."""
+    for rx in receivers:
+        rx.stop.set()
+    for rx in receivers:
+        rx.join(timeout=5)
+
+
+def stream_receiver(ctrl: Connection, ack: Connection, keys_root: str) -> None:
+    """Child: receives each stream (ours, ours+CURVE or raw), checks the last tensor,
+    acks the sender. The plain and the CURVE receiver each have a context and a pool."""
+    receivers = {
+        OURS: _start_receiver(zmq.Context()),
+        CURVE: _start_receiver(zmq.Context(), _worker_keys(keys_root, RECEIVER)),
+    }
+    endpoints = {m: rx.endpoint for m, (_, rx) in receivers.items()}
     with socket.create_server((LOCALHOST, 0)) as server:
         server.settimeout(STEP_TIMEOUT_S)
-        ctrl.send(("ok", (rx.endpoint, server.getsockname()[1])))
+        ctrl.send(("ok", (endpoints, server.getsockname()[1])))
         raw, _ = server.accept()
     raw.settimeout(STEP_TIMEOUT_S)
 
     def handle(cmd: tuple[str, int, int, int]) -> None:
         method, nbytes, count, round_no = cmd
-        last = _take_ours(pool, count, round_no) if method == OURS else _recv_raw(raw, count)
+        if method == RAW:
+            last = _recv_raw(raw, count)
+        else:
+            last = _take_ours(receivers[method][0], count, round_no)
         ack.send(True)
         if last.numel() * 4 != nbytes or last[-1].item() != round_no:
             raise ValueError(f"{method}: last tensor {last.shape} ends in {last[-1].item()}")
@@ -231,16 +281,24 @@ def stream_receiver(ctrl: Connection, ack: Connection) -> None:
     try:
         _serve(ctrl, handle)
     finally:
-        rx.stop.set()
+        _stop_receivers(*(rx for _, rx in receivers.values()))
         raw.close()
 
 
-def stream_sender(ctrl: Connection, ack: Connection) -> None:
-    """Child: streams `count` tensors of `nbytes` per command, answers with the seconds."""
-    zmq_endpoint, tcp_port = _next_cmd(ctrl)
-    out = Dispatcher(zmq.Context(), "sender")
-    out.start()
-    out.set_peers({"receiver": zmq_endpoint})
+def stream_sender(ctrl: Connection, ack: Connection, keys_root: str) -> None:
+    """Child: streams `count` tensors of `nbytes` per command, answers with the seconds.
+
+    One dispatcher per method, each with its own context, so neither shares
+    ZeroMQ's I/O thread with the other.
+    """
+    endpoints, tcp_port = _next_cmd(ctrl)
+    outs = {
+        OURS: Dispatcher(zmq.Context(), SENDER),
+        CURVE: Dispatcher(zmq.Context(), SENDER, keys=_worker_keys(keys_root, SENDER)),
+    }
+    for method, out in outs.items():
+        out.start()
+        out.set_peers({RECEIVER: endpoints[method]})
     raw = socket.create_connection((LOCALHOST, tcp_port), timeout=STEP_TIMEOUT_S)
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as ZeroMQ does
     ctrl.send(("ok", None))
@@ -249,19 +307,21 @@ def stream_sender(ctrl: Connection, ack: Connection) -> None:
         method, nbytes, count, round_no = cmd
         tensor = torch.full((nbytes // 4,), float(round_no))
         start = time.perf_counter()
-        if method == OURS:
-            _send_ours(out, tensor, count, round_no)
-        else:
+        if method == RAW:
             _send_raw(raw, tensor, count)
+        else:
+            _send_ours(outs[method], tensor, count, round_no)
         _wait_ack(ack)
-        if out.error is not None:
-            raise RuntimeError(f"dispatcher failed: {out.error}")
+        for out in outs.values():
+            if out.error is not None:
+                raise RuntimeError(f"dispatcher failed: {out.error}")
         return time.perf_counter() - start
 
     try:
         _serve(ctrl, handle)
     finally:
-        out.close()
+        for out in outs.values():
+            out.close()
         raw.close()
 
 
@@ -295,7 +355,7 @@ def _ours_allreduce(
 
 def _time_allreduce(
     reduce: Callable[[torch.Tensor, int], torch.Tensor],
-    pool: TaskPool,
+    pool: TaskPool | None,
     rank: int,
     world: int,
     cmd: tuple[str, int, int, int],
@@ -307,7 +367,8 @@ def _time_allreduce(
     times = []
     for i in range(iters + 1):
         flat = mine.clone()
-        pool.begin_round(round0 + i)
+        if pool is not None:
+            pool.begin_round(round0 + i)
         dist.barrier()
         start = time.perf_counter()
         total = reduce(flat, round0 + i)
@@ -320,14 +381,20 @@ def _time_allreduce(
     return times
 
 
-def reduce_worker(ctrl: Connection, rank: int, world: int, gloo_port: int) -> None:
-    """Child: one ring member with the real worker transport and a gloo process group."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    pool, rx = _start_receiver(ctx)
-    ctrl.send(("ok", rx.endpoint))
-    out = Dispatcher(ctx, _device(rank))
-    out.start()
-    out.set_peers(_next_cmd(ctrl))
+def reduce_worker(ctrl: Connection, rank: int, world: int, gloo_port: int, keys_root: str) -> None:
+    """Child: one ring member with the real worker transport, plain and with CURVE (one
+    context each, as two separate workers would have), and a gloo process group."""
+    keys = _worker_keys(keys_root, _device(rank))
+    ctxs: dict[str, zmq.Context[Any]] = {OURS: zmq.Context(), CURVE: zmq.Context()}
+    pool, rx = _start_receiver(ctxs[OURS])
+    curve_pool, curve_rx = _start_receiver(ctxs[CURVE], keys)
+    ctrl.send(("ok", {OURS: rx.endpoint, CURVE: curve_rx.endpoint}))
+    out = Dispatcher(ctxs[OURS], _device(rank))
+    curve_out = Dispatcher(ctxs[CURVE], _device(rank), keys=keys)
+    peers = _next_cmd(ctrl)
+    for method, dispatcher in ((OURS, out), (CURVE, curve_out)):
+        dispatcher.start()
+        dispatcher.set_peers(peers[method])
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{LOCALHOST}:{gloo_port}",
@@ -336,13 +403,27 @@ def reduce_worker(ctrl: Connection, rank: int, world: int, gloo_port: int) -> No
         timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S),
     )
     ctrl.send(("ok", None))
-    methods = {OURS: _ours_allreduce(rank, world, out, pool), GLOO: _gloo_allreduce}
+    methods = {
+        OURS: (_ours_allreduce(rank, world, out, pool), pool),
+        CURVE: (_ours_allreduce(rank, world, curve_out, curve_pool), curve_pool),
+        GLOO: (_gloo_allreduce, None),
+    }
+
+    def handle(cmd: tuple[str, int, int, int]) -> list[float]:
+        reduce, its_pool = methods[cmd[0]]
+        times = _time_allreduce(reduce, its_pool, rank, world, cmd)
+        for dispatcher in (out, curve_out):
+            if dispatcher.error is not None:
+                raise RuntimeError(f"dispatcher failed: {dispatcher.error}")
+        return times
+
     try:
-        _serve(ctrl, lambda cmd: _time_allreduce(methods[cmd[0]], pool, rank, world, cmd))
+        _serve(ctrl, handle)
     finally:
         dist.destroy_process_group()
         out.close()
-        rx.stop.set()
+        curve_out.close()
+        _stop_receivers(rx, curve_rx)
 
 
 # --- parent side ------------------------------------------------------------------
@@ -420,10 +501,10 @@ class StreamPair:
         return elapsed
 
 
-def _start_pair(kids: Children) -> StreamPair:
+def _start_pair(kids: Children, keys_root: str) -> StreamPair:
     ack_rx, ack_tx = _MP.Pipe()
-    receiver = kids.start(stream_receiver, ack_rx)
-    sender = kids.start(stream_sender, ack_tx)
+    receiver = kids.start(stream_receiver, ack_rx, keys_root)
+    sender = kids.start(stream_sender, ack_tx, keys_root)
     ack_rx.close()
     ack_tx.close()
     sender.send(reply(receiver))
@@ -438,65 +519,102 @@ def _calibrate(pair: StreamPair, method: str, nbytes: int, seconds: float, round
     return max(4, min(200_000, round(probe * seconds / elapsed)))
 
 
-def _alternating(rep: int, methods: tuple[str, str]) -> tuple[str, str]:
-    return methods if rep % 2 == 0 else (methods[1], methods[0])
+def _alternating(rep: int, methods: tuple[str, ...]) -> tuple[str, ...]:
+    """`methods` in order on even repeats, reversed on odd ones, so that every pair
+    runs both ways round equally often."""
+    return methods if rep % 2 == 0 else methods[::-1]
 
 
 def _medians(
     bench: str,
     procs: int,
     unit: str,
+    subject: str,
     baseline: str,
     sizes: tuple[int, ...],
     samples: dict[tuple[str, int], list[float]],
 ) -> list[Row]:
+    """One row per size: the median of `subject` against the median of `baseline`."""
     med = {key: statistics.median(values) for key, values in samples.items()}
     return [
-        Row(bench, procs, n, unit, med[OURS, n], baseline, med[baseline, n], len(samples[OURS, n]))
+        Row(
+            bench,
+            procs,
+            n,
+            unit,
+            med[subject, n],
+            PLAIN if baseline == OURS else baseline,
+            med[baseline, n],
+            len(samples[subject, n]),
+        )
         for n in sizes
     ]
 
 
-def measure_throughput(cfg: Config) -> list[Row]:
-    """MB/s of ours and raw TCP per message size, medians over interleaved repeats."""
+def make_key_set(root: Path, world: int) -> str:
+    """A key set with a worker pair for the stream pair and each ring member; its root."""
+    create_key_set(root, workers=[SENDER, RECEIVER, *(_device(r) for r in range(world))])
+    return str(root)
+
+
+def measure_throughput(cfg: Config, keys_root: str) -> list[Row]:
+    """MB/s of ours and raw TCP per message size, and of ours with CURVE at
+    `cfg.curve_sizes`; medians over interleaved repeats. The plain samples serve
+    both comparisons, measured in the same alternation as the other two."""
     rounds = itertools.count(1)
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+
+    def methods(n: int) -> tuple[str, ...]:
+        return (OURS, RAW, CURVE) if n in cfg.curve_sizes else (OURS, RAW)
+
     with Children(cfg.child_deadline_s) as kids:
-        pair = _start_pair(kids)
+        pair = _start_pair(kids, keys_root)
         counts = {
             (m, n): _calibrate(pair, m, n, cfg.stream_s, next(rounds))
             for n in cfg.sizes
-            for m in (OURS, RAW)
+            for m in methods(n)
         }
         for rep in range(cfg.stream_repeats):
             for n in cfg.sizes:
-                for m in _alternating(rep, (OURS, RAW)):
+                for m in _alternating(rep, methods(n)):
                     elapsed = pair.stream(m, n, counts[m, n], next(rounds))
                     samples[m, n].append(counts[m, n] * n / elapsed / 1e6)
-    return _medians("throughput", 2, "MB/s", RAW, cfg.sizes, samples)
+    curve_sizes = tuple(n for n in cfg.sizes if n in cfg.curve_sizes)
+    return [
+        *_medians("throughput", 2, "MB/s", OURS, RAW, cfg.sizes, samples),
+        *_medians("throughput-curve", 2, "MB/s", CURVE, OURS, curve_sizes, samples),
+    ]
 
 
-def measure_allreduce(cfg: Config, world: int) -> list[Row]:
-    """Seconds per all-reduce of ours and gloo on `world` processes (max over ranks)."""
+def measure_allreduce(cfg: Config, world: int, keys_root: str) -> list[Row]:
+    """Seconds per all-reduce of ours, ours with CURVE and gloo on `world` processes
+    (max over ranks), interleaved in the same children."""
     round0 = 1
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)
     with Children(cfg.child_deadline_s) as kids:
         port = _free_port()
-        conns = [kids.start(reduce_worker, rank, world, port) for rank in range(world)]
-        peers = {_device(rank): reply(conn) for rank, conn in enumerate(conns)}
+        conns = [kids.start(reduce_worker, rank, world, port, keys_root) for rank in range(world)]
+        endpoints = [reply(conn) for conn in conns]
+        peers = {
+            m: {_device(rank): ends[m] for rank, ends in enumerate(endpoints)}
+            for m in (OURS, CURVE)
+        }
         for conn in conns:
             conn.send(peers)
         for conn in conns:
             reply(conn)
         for rep in range(cfg.reduce_repeats):
             for n in cfg.reduce_sizes:
-                for m in _alternating(rep, (OURS, GLOO)):
+                for m in _alternating(rep, (OURS, GLOO, CURVE)):
                     for conn in conns:
                         conn.send((m, n, cfg.reduce_iters, round0))
                     per_rank = [reply(conn) for conn in conns]
                     samples[m, n].extend(max(ts) for ts in zip(*per_rank, strict=True))
                     round0 += cfg.reduce_iters + 1
-    return _medians("allreduce", world, "s", GLOO, cfg.reduce_sizes, samples)
+    return [
+        *_medians("allreduce", world, "s", OURS, GLOO, cfg.reduce_sizes, samples),
+        *_medians("allreduce-curve", world, "s", CURVE, OURS, cfg.reduce_sizes, samples),
+    ]
 
 
 # --- report -----------------------------------------------------------------------
@@ -514,9 +632,17 @@ def _met(row: Row) -> str:
     return "-" if row.met is None else ("yes" if row.met else "NO")
 
 
+BENCH_LABELS = {
+    "throughput": "stream",
+    "allreduce": "all-reduce",
+    "throughput-curve": "stream CURVE",
+    "allreduce-curve": "all-reduce CURVE",
+}
+
+
 def _cells(row: Row) -> list[str]:
     return [
-        "stream" if row.bench == "throughput" else "all-reduce",
+        BENCH_LABELS[row.bench],
         str(row.procs),
         size_label(row.nbytes),
         _value(row.ours, row.unit),
@@ -550,8 +676,26 @@ def _machine() -> str:
     return (
         f"nproc {len(os.sched_getaffinity(0))}, {platform.machine()}, Python "
         f"{platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
-        f"libzmq {zmq.zmq_version()}"
+        f"libzmq {zmq.zmq_version()}, load average {os.getloadavg()[0]:.1f} at the end "
+        "(other work on the machine skews every ratio)"
     )
+
+
+def _curve_cost(rows: list[Row]) -> list[str]:
+    """The CURVE rows as one number each: time with encryption over time without."""
+    lines = []
+    for r in rows:
+        if r.curve:
+            what = "stream" if r.unit == "MB/s" else f"ring all-reduce, {r.procs} procs"
+            lines.append(f"- {what}, {size_label(r.nbytes)}: x{r.time_ratio:.2f}")
+    if not lines:
+        return []
+    return [
+        "## CURVE cost (time with CURVE / time without, same processes, alternating)",
+        "",
+        *lines,
+        "",
+    ]
 
 
 def write_markdown(path: Path, rows: list[Row], command: str, cfg: Config) -> None:
@@ -567,11 +711,17 @@ def write_markdown(path: Path, rows: list[Row], command: str, cfg: Config) -> No
         "- ours: `ReduceChunk` + tensor frame via `Dispatcher` -> `Receiver` -> "
         "`TaskPool.take_chunk`; raw TCP: 8-byte length prefix + body by `sendmsg`, "
         "`recv_into` a fresh tensor per message (what the codec hands the pool)",
+        f"- CURVE rows: ours+CURVE against ours plain (`{PLAIN}`) in the same children, "
+        "each data-plane socket a CURVE client or server with worker keys of a key set "
+        "made per run (ZAP handler admitting the set's worker keys); stream at "
+        f"{', '.join(size_label(n) for n in cfg.curve_sizes)}, all-reduce at every size; "
+        "ratio = CURVE / plain in the row's unit",
         "",
         "| " + " | ".join(HEADERS) + " |",
         "|" + "---|" * len(HEADERS),
         *("| " + " | ".join(_cells(row)) + " |" for row in rows),
         "",
+        *_curve_cost(rows),
     ]
     path.write_text("\n".join(lines))
 
@@ -640,13 +790,49 @@ def write_plot(path: Path, rows: list[Row]) -> None:
     plt.close(fig)
 
 
+def write_curve_plot(path: Path, rows: list[Row]) -> None:
+    """Plain against CURVE side by side: stream MB/s and all-reduce ms, bars per size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (
+        ("throughput-curve", "MB/s", 1.0, "worker-to-worker stream, loopback"),
+        ("allreduce-curve", "ms per all-reduce", 1e3, "ring all-reduce (ours), loopback"),
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, (bench, ylabel, scale, title) in zip(axes, panels, strict=True):
+        red = [r for r in rows if r.bench == bench]
+        x = range(len(red))
+        width = 0.38
+        plain = ax.bar([i - width / 2 for i in x], [r.base * scale for r in red], width)
+        curve = ax.bar([i + width / 2 for i in x], [r.ours * scale for r in red], width)
+        plain.set_label("plain")
+        curve.set_label("CURVE")
+        ax.bar_label(curve, labels=[f"x{r.time_ratio:.2f} time" for r in red], fontsize=8)
+        labels = [
+            size_label(r.nbytes) if r.unit == "MB/s" else f"{size_label(r.nbytes)}\n{r.procs} procs"
+            for r in red
+        ]
+        ax.set_xticks(list(x), labels)
+        ax.set(ylabel=ylabel, title=title)
+        ax.margins(y=0.12)  # room for the labels above the bars
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend()
+    fig.suptitle("cost of CURVE on the data plane (medians)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # --- main -------------------------------------------------------------------------
 
 
-def run(cfg: Config) -> Iterator[Row]:
-    yield from measure_throughput(cfg)
+def run(cfg: Config, keys_root: str) -> Iterator[Row]:
+    yield from measure_throughput(cfg, keys_root)
     for world in cfg.reduce_procs:
-        yield from measure_allreduce(cfg, world)
+        yield from measure_allreduce(cfg, world, keys_root)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -660,7 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m tests.bench.bench_transport", *(argv or sys.argv[1:])])
     start = time.monotonic()
     try:
-        rows = list(run(cfg))
+        with tempfile.TemporaryDirectory(prefix="bench-keys-") as tmp:
+            rows = list(run(cfg, make_key_set(Path(tmp), max(cfg.reduce_procs))))
     except (RuntimeError, TimeoutError) as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         return 1
@@ -669,7 +856,11 @@ def main(argv: list[str] | None = None) -> int:
     write_markdown(args.out / "transport.md", rows, command, cfg)
     write_csv(args.out / "transport.csv", rows)
     write_plot(args.out / "transport.png", rows)
-    print(f"wrote {args.out}/transport.{{md,csv,png}} in {time.monotonic() - start:.0f} s")
+    write_curve_plot(args.out / "curve.png", rows)
+    print(
+        f"wrote {args.out}/transport.{{md,csv,png}} and curve.png "
+        f"in {time.monotonic() - start:.0f} s"
+    )
     return 0
 
 

@@ -3,14 +3,17 @@
 import csv
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
 
-def test_quick_transport_benchmark_writes_table_csv_and_plot(tmp_path):
-    out = tmp_path / "transport"
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, str]]]:
+    """One quick run for every test here: its output directory and its CSV rows."""
+    out = tmp_path_factory.mktemp("bench") / "transport"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.bench.bench_transport", "--quick", "--out", str(out)],
         capture_output=True,
@@ -19,7 +22,40 @@ def test_quick_transport_benchmark_writes_table_csv_and_plot(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     with (out / "transport.csv").open() as f:
-        rows = list(csv.DictReader(f))
-    assert {r["bench"] for r in rows} == {"throughput", "allreduce"}
+        return out, list(csv.DictReader(f))
+
+
+def test_quick_transport_benchmark_writes_table_csv_and_plot(quick_run):
+    out, rows = quick_run
+    assert {r["bench"] for r in rows} == {
+        "throughput",
+        "allreduce",
+        "throughput-curve",
+        "allreduce-curve",
+    }
     assert (out / "transport.png").stat().st_size > 0
     assert "ratio" in (out / "transport.md").read_text()
+
+
+def test_quick_transport_benchmark_compares_curve_with_plain_side_by_side(quick_run):
+    """CURVE rows: stream at 1 and 32 MiB, the all-reduce at every size and ring size,
+    each against our plain path measured in the same run; a plot and a cost summary."""
+    out, rows = quick_run
+    plain = {
+        (r["bench"], r["procs"], r["size_bytes"]): r for r in rows if "curve" not in r["bench"]
+    }
+    curve = [r for r in rows if r["bench"].endswith("-curve")]
+    stream = {r["size_bytes"] for r in curve if r["bench"] == "throughput-curve"}
+    assert stream == {str(1 << 20), str(32 << 20)}
+    reduce_plain = {(r["procs"], r["size_bytes"]) for r in rows if r["bench"] == "allreduce"}
+    reduce_curve = {(r["procs"], r["size_bytes"]) for r in curve if r["bench"] == "allreduce-curve"}
+    assert reduce_curve == reduce_plain
+    for r in curve:
+        assert r["baseline"] == "plain"
+        assert float(r["ours"]) > 0
+        assert int(r["samples"]) > 0
+        # the baseline is the very median reported as "ours" on the plain row
+        twin = plain[r["bench"].removesuffix("-curve"), r["procs"], r["size_bytes"]]
+        assert r["baseline_value"] == twin["ours"]
+    assert (out / "curve.png").stat().st_size > 0
+    assert "CURVE cost" in (out / "transport.md").read_text()

@@ -5,7 +5,7 @@ import zmq
 
 from common.codec import Limits, encode, recv_message, send_message
 from common.errors import ProtocolError
-from common.messages import Activation, Heartbeat, RunRound
+from common.messages import PROTOCOL_VERSION, Activation, Heartbeat, RunRound
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_non_contiguous_slice_is_sent_correctly(pair):
 
 def _header(**over):
     h = {
-        "v": 1,
+        "v": PROTOCOL_VERSION,
         "sender": "x",
         "id": 1,
         "t": 0.0,
@@ -103,8 +103,8 @@ def test_bad_messages_are_rejected_and_drained(pair, case):
 
 def test_version_error_names_versions(pair):
     router, dealer = pair
-    dealer.send_multipart([_header(v=2)])
-    with pytest.raises(ProtocolError, match="version 2 not supported"):
+    dealer.send_multipart([_header(v=PROTOCOL_VERSION - 1)])  # the previous protocol
+    with pytest.raises(ProtocolError, match=f"version {PROTOCOL_VERSION - 1} not supported"):
         _recv(router)
 
 

@@ -15,7 +15,7 @@ import zmq
 
 from common.checkpoint import load_full_state
 from common.codec import encode
-from common.messages import Activation
+from common.messages import PROTOCOL_VERSION, Activation
 from common.store import Store
 from tests.cluster import LocalCluster
 from tests.integration.test_equivalence import PLANS, SGD
@@ -31,7 +31,7 @@ OPT = {**SGD, "lr": 0.01}
 
 def _header(**over):
     h = {
-        "v": 1,
+        "v": PROTOCOL_VERSION,
         "sender": "intruder",
         "id": 1,
         "t": 0.0,

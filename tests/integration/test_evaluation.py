@@ -105,8 +105,6 @@ def test_eval_through_hybrid_pipeline_matches_reference(tmp_path, redis_url, clu
                 stage=plan.stage_of(d),
                 peers=peers,
                 from_round=0,
-                store_url=redis_url,
-                cluster=cluster_name,
                 total_rounds=ROUNDS,
             )
             driver.send([d], assign)

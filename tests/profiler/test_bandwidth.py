@@ -1,10 +1,14 @@
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
 
+from common.curve import CurveKeys, create_key_set
+from common.errors import ConfigError
+from common.sockets import connect_dealer
 from services.profiler.bandwidth import BandwidthError, BandwidthSink, probe_bandwidth, probe_link
 
 
@@ -76,3 +80,87 @@ def test_sink_survives_malformed_frames(ctx, sink):
 def test_bad_probe_arguments(ctx, nbytes, count, timeout_s):
     with pytest.raises(ValueError, match="need nbytes"):
         probe_link(ctx, "tcp://127.0.0.1:1", nbytes, count, timeout_s)
+
+
+# --- CURVE: the probe is secured like the data plane it measures ---------------------
+
+WAIT_S = 1.0
+"""The refused probes' timeout: they must fail by then, with a margin for a busy machine."""
+
+
+@pytest.fixture
+def keydir(tmp_path: Path) -> Path:
+    root = tmp_path / "keys"
+    create_key_set(root, workers=["w1", "w2"], services=["planner"])
+    return root
+
+
+@pytest.fixture
+def curve_sink(ctx, keydir):
+    """A sink on worker w1 with w1's own pair, admitting worker keys (as its data socket)."""
+    with BandwidthSink(ctx, keys=CurveKeys.load(keydir, "worker", "w1")) as s:
+        yield s
+
+
+def test_probe_with_keys_is_encrypted_and_works(ctx, keydir, curve_sink):
+    keys = CurveKeys.load(keydir, "worker", "w2")
+    link = probe_link(ctx, curve_sink.endpoint, 256 << 10, 8, timeout_s=10, keys=keys, sink="w1")
+    assert link.mb_per_s > 0 and link.count == 8
+    got = probe_bandwidth(ctx, curve_sink.endpoint, 1024, 4, timeout_s=10, keys=keys, sink="w1")
+    assert got > 0
+    assert curve_sink.bad_messages == 0
+
+
+def foreign(tmp_path: Path, keydir: Path) -> CurveKeys:
+    """A well-formed worker pair named w2 that is not in the set (the set's public files)."""
+    create_key_set(tmp_path / "other", workers=["w2"])
+    pair = CurveKeys.load(tmp_path / "other", "worker", "w2")
+    return CurveKeys(keydir, "worker", "w2", pair.public, pair.secret)
+
+
+@pytest.mark.parametrize("attacker", ["no key", "unknown key", "service key", "revoked key"])
+def test_prober_without_an_admitted_key_gets_no_answer(ctx, keydir, tmp_path, curve_sink, attacker):
+    keys: CurveKeys | None = None
+    if attacker == "unknown key":
+        keys = foreign(tmp_path, keydir)
+    elif attacker == "service key":  # in the set, but a sink admits workers only
+        keys = CurveKeys.load(keydir, "service", "planner")
+    elif attacker == "revoked key":
+        keys = CurveKeys.load(keydir, "worker", "w2")
+        (keydir / "workers" / "w2.key").unlink()
+    started = time.monotonic()
+    with pytest.raises(BandwidthError, match=r"no 'ready' reply .* admit this prober's key"):
+        probe_link(
+            ctx, curve_sink.endpoint, 1024, 2, WAIT_S, keys=keys, sink="w1" if keys else None
+        )
+    assert time.monotonic() - started < WAIT_S + 2
+    assert curve_sink.bad_messages == 0  # refused at the handshake: nothing reached the sink
+    # an admitted worker still gets its answer
+    w1 = CurveKeys.load(keydir, "worker", "w1")
+    assert probe_bandwidth(ctx, curve_sink.endpoint, 1024, 2, 10, keys=w1, sink="w1") > 0
+
+
+def test_curve_sink_refuses_a_prober_posing_as_another_worker(ctx, keydir, curve_sink):
+    """w2's key under w1's routing identity: dropped and counted; no reply."""
+    w1 = CurveKeys.load(keydir, "worker", "w1")
+    spoof = connect_dealer(
+        ctx, curve_sink.endpoint, "w1/bw-x", 5, CurveKeys.load(keydir, "worker", "w2"), w1.public
+    )
+    try:
+        hello = {"v": 1, "kind": "hello", "probe": "p", "count": 1, "nbytes": 10}
+        spoof.send(msgpack.packb(hello))
+        deadline = time.monotonic() + 5
+        while curve_sink.bad_messages < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert curve_sink.bad_messages == 1
+        assert not spoof.poll(200)
+    finally:
+        spoof.close(0)
+
+
+def test_curve_probe_needs_the_sinks_name(ctx, keydir):
+    keys = CurveKeys.load(keydir, "worker", "w2")
+    with pytest.raises(ValueError, match="needs the name of the sink's worker"):
+        probe_link(ctx, "tcp://127.0.0.1:1", 1024, 1, 1.0, keys=keys)
+    with pytest.raises(ConfigError, match="no public key"):
+        probe_link(ctx, "tcp://127.0.0.1:1", 1024, 1, 1.0, keys=keys, sink="nobody")

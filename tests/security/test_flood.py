@@ -44,8 +44,9 @@ CAP = 100
 """Most unassigned devices the coordinator remembers (ASTEROID_MAX_UNASSIGNED_DEVICES)."""
 ONE_ID_BEATS = 50_000
 FAKE_IDS = 3_000
-EXPIRY_S = 3.0
-"""Longer than LocalCluster's 0.3 s heartbeat times the 6 misses a worker is dead after."""
+EXPIRY_S = 6.0
+"""Longer than LocalCluster's 0.3 s heartbeat times the 6 misses a worker is dead after, and
+than the fake ids take to arrive behind the flood, so none expires before the last arrives."""
 
 
 @pytest.fixture

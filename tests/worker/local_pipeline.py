@@ -59,8 +59,6 @@ class LocalPipeline:
     def __init__(
         self,
         store: Store,
-        store_url: str,
-        cluster: str,
         job: JobSpec,
         plan: Plan,
         total_rounds: int = 0,
@@ -84,8 +82,6 @@ class LocalPipeline:
                 stage=plan.stage_of(d),
                 peers={},
                 from_round=0,
-                store_url=store_url,
-                cluster=cluster,
                 total_rounds=total_rounds,
             )
             pool = self.pools[str(d)]

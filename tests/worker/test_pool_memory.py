@@ -151,7 +151,7 @@ def replay(order: list[tuple[str, Action]]) -> list[int]:
 
 
 @pytest.mark.parametrize("policy", ["1f1b", "gpipe"])
-def test_lockstep_peak_is_exactly_k_micro_batches(store, redis_url, cluster_name, policy):
+def test_lockstep_peak_is_exactly_k_micro_batches(store, policy):
     job = JobSpec.model_validate(
         {
             "job_id": "memory",
@@ -165,7 +165,7 @@ def test_lockstep_peak_is_exactly_k_micro_batches(store, redis_url, cluster_name
     stages = [{"start": p, "end": p + 1, "devices": [{"device": f"d{p}"}]} for p in range(S)]
     plan = Plan(global_batch=M * N, microbatches=M, stages=stages)
     assert [plan.warmup(p) for p in range(S)] == K
-    pipe = LocalPipeline(store, redis_url, cluster_name, job, plan)
+    pipe = LocalPipeline(store, job, plan)
     alive = K if policy == "1f1b" else [M] * S
     for round_no in range(2):  # the second round starts from an empty ledger again
         results, order = pipe.run_lockstep(round_no)

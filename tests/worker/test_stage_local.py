@@ -40,7 +40,7 @@ HYBRID = [
 HELD_OUT = {"kind": "synthetic", "eval_size": 100}
 
 
-def pipeline(store, redis_url, cluster_name, model, stages, optimizer, rounds, **kw):
+def pipeline(store, model, stages, optimizer, rounds, **kw):
     job = JobSpec.model_validate(
         {
             "job_id": "local",
@@ -52,7 +52,7 @@ def pipeline(store, redis_url, cluster_name, model, stages, optimizer, rounds, *
         }
     )
     plan = Plan(global_batch=32, microbatches=4, stages=stages)
-    return LocalPipeline(store, redis_url, cluster_name, job, plan, **kw)
+    return LocalPipeline(store, job, plan, **kw)
 
 
 def summed(pipe, results):
@@ -65,13 +65,9 @@ def summed(pipe, results):
 
 
 @pytest.mark.parametrize("total_rounds", [0, 4], ids=["from-job-spec", "from-assign"])
-def test_hybrid_schedule_and_evaluation_match_the_reference(
-    store, redis_url, cluster_name, total_rounds
-):
+def test_hybrid_schedule_and_evaluation_match_the_reference(store, total_rounds):
     rounds = 4 if total_rounds == 0 else 9  # Assign.total_rounds wins over the spec
-    pipe = pipeline(
-        store, redis_url, cluster_name, SMALL_CNN, HYBRID, COSINE, rounds, total_rounds=total_rounds
-    )
+    pipe = pipeline(store, SMALL_CNN, HYBRID, COSINE, rounds, total_rounds=total_rounds)
     initial = pipe.weights()
     first = summed(pipe, pipe.run("run_eval", 0, 1))
     losses = []
@@ -97,9 +93,7 @@ def test_hybrid_schedule_and_evaluation_match_the_reference(
     assert second[2] == 100
 
 
-def test_evaluation_leaves_weights_batchnorm_statistics_and_train_mode(
-    store, redis_url, cluster_name
-):
+def test_evaluation_leaves_weights_batchnorm_statistics_and_train_mode(store):
     model = {"name": "mobilenet_v2", "options": {"width_mult": 0.5}}
     n = len(build_model(ModelSpec.model_validate(model), 7).layers)
     stages = [
@@ -107,7 +101,7 @@ def test_evaluation_leaves_weights_batchnorm_statistics_and_train_mode(
         {"start": n // 2, "end": n, "devices": [{"device": "b"}]},
     ]
     opt = {"kind": "sgd", "lr": 0.05}
-    pipe = pipeline(store, redis_url, cluster_name, model, stages, opt, 2)
+    pipe = pipeline(store, model, stages, opt, 2)
     pipe.run("run_round", 0)
     before = pipe.weights()
     assert any("running_mean" in k for k in before)
@@ -120,19 +114,19 @@ def test_evaluation_leaves_weights_batchnorm_statistics_and_train_mode(
     assert got[1:] == (correct, samples)
 
 
-def test_evaluating_weights_the_worker_does_not_hold_is_refused(store, redis_url, cluster_name):
+def test_evaluating_weights_the_worker_does_not_hold_is_refused(store):
     stages = [{"start": 0, "end": 7, "devices": [{"device": "a"}]}]
-    pipe = pipeline(store, redis_url, cluster_name, SMALL_CNN, stages, COSINE, 2)
+    pipe = pipeline(store, SMALL_CNN, stages, COSINE, 2)
     with pytest.raises(AsteroidError, match="holds those of round 0"):
         pipe.runners["a"].run_eval(1, 1)
 
 
-def test_evaluation_wait_is_bounded_and_restores_train_mode(store, redis_url, cluster_name):
+def test_evaluation_wait_is_bounded_and_restores_train_mode(store):
     stages = [
         {"start": 0, "end": 3, "devices": [{"device": "a"}]},
         {"start": 3, "end": 7, "devices": [{"device": "b"}]},
     ]
-    pipe = pipeline(store, redis_url, cluster_name, SMALL_CNN, stages, COSINE, 2, timeout_s=0.2)
+    pipe = pipeline(store, SMALL_CNN, stages, COSINE, 2, timeout_s=0.2)
     runner = pipe.runners["b"]  # stage 1 alone: nobody sends it activations
     with pytest.raises(RoundTimeoutError, match="evaluation activations of micro-batch 0"):
         runner.run_eval(0, 1)

@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge check clean
+.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery check clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -36,9 +36,10 @@ fuzz:  ## fuzz the wire decoder: hypothesis with many examples, then atheris (ex
 		{ echo "atheris is missing: $(BIN)/pip install -e '.[fuzz]'"; exit 1; }
 	$(BIN)/python -m tests.security.fuzz_codec_atheris -max_total_time=$(FUZZ_SECONDS)
 
-lint:  ## ruff lint and format check
+lint:  ## ruff lint and format check, import layering (import-linter)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 fmt:  ## format and autofix
 	$(BIN)/ruff format .
@@ -56,7 +57,10 @@ bench:  ## benchmarks: transport (+CURVE), planner speed, simulated planners, he
 bench-edge:  ## real training on the emulated edge testbed (root): planners side by side
 	$(BIN)/python -m tests.bench.bench_edge --out bench-results/edge --memory-case
 
+bench-recovery:  ## recovery on the edge testbed (root): each device of Env D lost, lightweight vs heavy re-plan
+	$(BIN)/python -m tests.bench.bench_recovery --out bench-results/recovery
+
 check: lint typecheck test  ## every check, in order
 
 clean:  ## remove caches and results
-	rm -rf bench-results .pytest_cache .mypy_cache .ruff_cache
+	rm -rf bench-results .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -179,6 +179,11 @@ class JobSpec(_Strict):
         0, ge=0, description="Rounds between checkpoints (0: only the final one)."
     )
     min_workers: int = Field(1, ge=1, le=4096, description="Workers to wait for before planning.")
+    recovery: Literal["lightweight", "heavy", "none"] = Field(
+        "lightweight",
+        description="When devices are lost: move the partition points on the survivors "
+        "(lightweight), plan again from profiles (heavy), or fail the job (none).",
+    )
 
     @field_validator("model")
     @classmethod

@@ -20,7 +20,31 @@ from common.errors import ConfigError
 from common.job import Cifar10Data, JobSpec, SyntheticData
 from common.zoo import ZooModel
 
-__all__ = ["JobData", "eval_size", "open_data", "train_size"]
+__all__ = ["JobData", "epoch_order", "eval_size", "open_data", "sample_indices", "train_size"]
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, size: int) -> torch.Tensor:
+    """The sample order of `epoch`: a permutation of `size`, a function of (seed, epoch)."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % (1 << 63))
+    return torch.randperm(size, generator=gen)
+
+
+def sample_indices(seed: int, size: int | None, start: int, count: int) -> list[int]:
+    """Which training samples positions ``start .. start+count-1`` are (a finite set's indices).
+
+    Unbounded synthetic data has no epochs: a position is its own sample. The
+    coordinator's sample ledger records these, without loading any data.
+    """
+    positions = torch.arange(start, start + count, dtype=torch.int64)
+    if size is None:
+        return positions.tolist()
+    epochs = positions // size
+    idx = torch.empty_like(positions)
+    for e in torch.unique(epochs).tolist():
+        sel = epochs == e
+        idx[sel] = epoch_order(seed, int(e), size)[positions[sel] % size]
+    return idx.tolist()
 
 
 class JobData:
@@ -42,15 +66,9 @@ class JobData:
 
     def train_batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Training positions ``start .. start+count-1`` as ``(inputs, labels)``."""
-        positions = torch.arange(start, start + count, dtype=torch.int64)
         if self.train_size is None:
             return self.train.batch(split_indices("train", start, count))
-        n = self.train_size
-        epochs = positions // n
-        idx = torch.empty_like(positions)
-        for e in torch.unique(epochs).tolist():
-            sel = epochs == e
-            idx[sel] = self._order(int(e), n)[positions[sel] % n]
+        idx = torch.tensor(sample_indices(self.seed, self.train_size, start, count))
         if self._synthetic:
             idx = idx + split_indices("train", 0, 1)[0]
         return self.train.batch(idx)
@@ -61,12 +79,6 @@ class JobData:
         if self._synthetic:
             idx = idx + split_indices("eval", 0, 1)[0]
         return self.held_out.batch(idx)
-
-    @functools.lru_cache(maxsize=4)  # noqa: B019 - a few epochs' orders per JobData
-    def _order(self, epoch: int, size: int) -> torch.Tensor:
-        """The sample order of `epoch`: a permutation of `size`, a function of (seed, epoch)."""
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (1 << 63))
-        return torch.randperm(size, generator=gen)
 
 
 def open_data(job: JobSpec, model: ZooModel) -> JobData:

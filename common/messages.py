@@ -33,6 +33,8 @@ __all__ = [
     "Message",
     "PlanReply",
     "PlanRequest",
+    "Probe",
+    "ProbeReply",
     "ProfileReply",
     "ProfileRequest",
     "ReduceChunk",
@@ -48,8 +50,9 @@ __all__ = [
     "message_adapter",
 ]
 
-PROTOCOL_VERSION = 2
-"""2: Assign names no Redis; each worker uses its own URL, so no credentials travel."""
+PROTOCOL_VERSION = 3
+"""2: Assign names no Redis; each worker uses its own URL, so no credentials travel.
+3: the coordinator probes suspects (Probe, ProbeReply); heartbeats carry progress."""
 
 
 class _Msg(BaseModel):
@@ -81,6 +84,17 @@ class Heartbeat(_Msg):
     stage: int = -1
     round: int = -1
     state: str = "idle"
+    progress: int = Field(
+        0,
+        ge=0,
+        description="Tasks its stage finished so far (forwards, backwards, all-reduce steps, "
+        "optimizer steps): a count that stands still while the worker makes no progress.",
+    )
+    waiting: bool = Field(
+        False,
+        description="Its stage is blocked on the data plane, waiting for a peer (bounded by "
+        "its task timeout): standing still then is the peer's doing, not a hang.",
+    )
 
 
 class Assigned(_Msg):
@@ -156,6 +170,14 @@ class CheckpointSaved(_Msg):
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+class ProbeReply(_Msg):
+    """The worker's control thread answers a Probe at once, whatever its stage is doing."""
+
+    type: Literal["probe_reply"] = "probe_reply"
+    device: DeviceId
+    nonce: int
+
+
 class WorkerError(_Msg):
     """A worker could not do what it was asked; the text says why."""
 
@@ -213,6 +235,17 @@ class SaveCheckpoint(_Msg):
     type: Literal["save_checkpoint"] = "save_checkpoint"
     epoch: int
     round: int
+
+
+class Probe(_Msg):
+    """Are you there? Sent to a worker whose heartbeats are overdue; `nonce` pairs the reply.
+
+    Only an unanswered probe makes a suspect dead: a heartbeat lost or late on
+    its way must not fail a device that is still there.
+    """
+
+    type: Literal["probe"] = "probe"
+    nonce: int
 
 
 class Shutdown(_Msg):
@@ -368,6 +401,8 @@ Message = Annotated[
     | RunEval
     | EvalDone
     | Shutdown
+    | Probe
+    | ProbeReply
     | ServiceHello
     | PlanRequest
     | PlanReply

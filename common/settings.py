@@ -7,9 +7,10 @@ configuration table are generated from one place.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -139,6 +140,50 @@ class WorkerSettings(CommonSettings):
         description="Most bytes of received activations, gradients and reduce chunks the "
         "task pool holds; parts beyond are refused and logged with their sender.",
     )
+    fail_at: str = Field(
+        "",
+        description="Fault injection for tests and benchmarks: kill this worker with SIGKILL "
+        "at ROUND:PHASE[:MB] (comma separated for several), PHASE one of forward, backward "
+        "(MB: micro-batch, default the first run), allreduce, step or done (after its "
+        "RoundDone was sent). Empty: never.",
+    )
+
+    FAIL_PHASES: ClassVar[tuple[str, ...]] = ("forward", "backward", "allreduce", "step", "done")
+    """Where `fail_at` can kill, in the order a round reaches them."""
+
+    @staticmethod
+    def parse_fail_at(text: str) -> tuple[tuple[int, str, int | None], ...]:
+        """The (round, phase, micro-batch or None) points of a `fail_at` spec.
+
+        Strict, because a typo that silently never fires would make a fault
+        test pass without injecting anything.
+        """
+        points = []
+        for item in text.split(",") if text.strip() else []:
+            parts = item.strip().split(":")
+            if not 2 <= len(parts) <= 3 or not all(re.fullmatch(r"[0-9]+", p) for p in parts[::2]):
+                raise ValueError(
+                    f"fail_at item {item.strip()!r} is not ROUND:PHASE[:MB] "
+                    "(ROUND and MB whole numbers, items separated by commas)"
+                )
+            phase = parts[1]
+            if phase not in WorkerSettings.FAIL_PHASES:
+                raise ValueError(
+                    f"fail_at item {item.strip()!r}: phase {phase!r} is not one of "
+                    + ", ".join(WorkerSettings.FAIL_PHASES)
+                )
+            if len(parts) == 3 and phase not in ("forward", "backward"):
+                raise ValueError(
+                    f"fail_at item {item.strip()!r}: only forward and backward take a micro-batch"
+                )
+            points.append((int(parts[0]), phase, int(parts[2]) if len(parts) == 3 else None))
+        return tuple(points)
+
+    @field_validator("fail_at")
+    @classmethod
+    def _check_fail_at(cls, value: str) -> str:
+        cls.parse_fail_at(value)
+        return value.strip()
 
 
 class CoordinatorSettings(CommonSettings):
@@ -148,7 +193,28 @@ class CoordinatorSettings(CommonSettings):
     join_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a plan's workers.")
     round_timeout_s: float = Field(300.0, gt=0, description="Longest wait for one round.")
     heartbeat_misses: int = Field(
-        6, ge=1, description="Missed heartbeats after which a worker is declared dead."
+        6,
+        ge=1,
+        description="Missed heartbeats after which a worker of the running job is a suspect "
+        "and is probed (dead only if the probe goes unanswered).",
+    )
+    probe_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="Longest wait for a suspect's answer to a direct probe before it is "
+        "declared dead.",
+    )
+    hung_min_s: float = Field(
+        30.0,
+        gt=0,
+        description="Least time a worker that heartbeats may make no progress on a round "
+        "(evaluation, checkpoint) before it is declared hung.",
+    )
+    hung_factor: float = Field(
+        10.0,
+        gt=0,
+        description="The hung watchdog is this many times the plan's predicted round time, "
+        "when the plan predicts one and that is longer than hung_min_s.",
     )
     device_expiry_s: float = Field(
         30.0,

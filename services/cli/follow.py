@@ -23,13 +23,13 @@ from rich.progress import (
 
 from common.errors import ConfigError
 from common.job import JobSpec, load_job
+from common.lifecycle import TERMINAL
 from common.messages import SubmitJob
 from common.secrets import mask_text
 from common.settings import CommonSettings
 from common.store import Store
 from services.cli.client import ask_coordinator
 from services.coordinator.checks import check_job
-from services.coordinator.lifecycle import TERMINAL
 
 __all__ = ["JobView", "follow", "load_checked", "submit_and_follow"]
 

@@ -14,8 +14,8 @@ from collections.abc import Collection
 from common.errors import ConfigError
 from common.job import JobSpec
 from common.job_data import train_size
+from common.planner_names import PLANNER_NAMES
 from common.zoo import build_model
-from services.planner.base import PLANNERS
 
 __all__ = ["check_job"]
 
@@ -35,8 +35,8 @@ def check_job(job: JobSpec, allowed_modules: Collection[str] = ()) -> int:
         raise ConfigError(f"model: {exc}") from exc
     except (MemoryError, RuntimeError, ValueError, TypeError, OverflowError) as exc:
         raise ConfigError(f"model: {job.model.name!r} cannot be built: {exc!r}") from exc
-    if job.planner not in PLANNERS:
-        raise ConfigError(f"planner: {job.planner!r} is not one of {sorted(PLANNERS)}")
+    if job.planner not in PLANNER_NAMES:
+        raise ConfigError(f"planner: {job.planner!r} is not one of {sorted(PLANNER_NAMES)}")
     size = train_size(job)
     try:
         return job.total_rounds(size)

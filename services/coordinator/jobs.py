@@ -20,7 +20,9 @@ from common.checkpoint import check_replicas, commit_checkpoint, latest_round, s
 from common.errors import AsteroidError, CheckpointError, ConfigError, StoreUnavailable
 from common.ids import DeviceId
 from common.job import JobSpec
-from common.job_data import eval_size
+from common.job_data import eval_size, sample_indices, train_size
+from common.ledger import rollback_entry, round_entry
+from common.lifecycle import TERMINAL, JobState, advance
 from common.logging import bind_global, get_logger
 from common.messages import (
     Assign,
@@ -34,22 +36,38 @@ from common.messages import (
     SaveCheckpoint,
 )
 from common.plan import Plan
+from common.profile import ClusterSpec, Profile
 from common.secrets import mask_text
 from common.store import OUTAGE
 from common.zoo import build_model
-from services.coordinator.lifecycle import TERMINAL, JobState, advance
+from services.coordinator.membership import Members
 from services.coordinator.profiling import cluster_for, profile_budgets, profile_workers
+from services.coordinator.recovery import RecoveryImpossible, capacities, survivors_plan
 
 if TYPE_CHECKING:
     from services.coordinator.service import Coordinator
 
-__all__ = ["JobCancelled", "JobFailed", "JobRun", "JobSummary"]
+__all__ = ["DeviceLost", "JobCancelled", "JobFailed", "JobRun", "JobSummary"]
 
 log = get_logger(__name__)
+LEDGER_MAX = 1_000_000
+"""Entries the sample ledger keeps (one per committed round and recovery)."""
 
 
 class JobFailed(AsteroidError):
     """The job cannot continue; the message says which worker and why."""
+
+
+class DeviceLost(JobFailed):
+    """Devices of the running plan are gone (dead after an unanswered probe, or hung).
+
+    The job recovers from it on the survivors when its spec allows, else fails
+    with this message.
+    """
+
+    def __init__(self, devices: list[DeviceId], why: str) -> None:
+        super().__init__(why)
+        self.devices = sorted(devices)
 
 
 class JobCancelled(AsteroidError):
@@ -71,6 +89,15 @@ class JobSummary:
     checkpoints: list[int] = field(default_factory=list)
     evals: list[tuple[int, float, float]] = field(default_factory=list)
     """(round, held-out loss, held-out accuracy) after each evaluation."""
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    """One record per recovery: devices lost, round resumed from, rounds replayed, seconds."""
+
+    def rollback(self, start: int, to_round: int) -> None:
+        """Forget what rounds `to_round` and later reported (they are replayed)."""
+        keep = max(0, to_round - start)
+        del self.losses[keep:], self.accuracies[keep:], self.round_s[keep:]
+        self.checkpoints = [c for c in self.checkpoints if c <= to_round]
+        self.evals = [e for e in self.evals if e[0] <= to_round]
 
 
 class JobRun:
@@ -81,6 +108,10 @@ class JobRun:
         self.total = total_rounds or job.total_rounds()
         self.state: JobState = "submitted"
         self.store = coord.store
+        self.committed = 0
+        """Rounds committed so far (the next round's number), for what a recovery replays."""
+        self.train_size = train_size(job)
+        """Samples of the training set (None: unbounded), for the sample ledger."""
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -130,19 +161,25 @@ class JobRun:
 
     def _plan(self) -> Plan:
         """Profile the workers' devices (cached profiles reused), then ask the planner."""
+        coord = self.coord
+        coord.wait_for_count(self.job.min_workers, coord.settings.join_timeout_s)
+        members = coord.alive()
+        self.record("profiling", workers=sorted(members))
+        return self._planned(members, "planning")
+
+    def _planned(self, members: Members, state: JobState | None) -> Plan:
+        """The planner's plan for `members` (profiled first; cached profiles reused)."""
         job, coord = self.job, self.coord
         if job.global_batch is None:
             raise ConfigError("global_batch: required when the planner makes the plan")
         settings = coord.settings
-        coord.wait_for_count(job.min_workers, settings.join_timeout_s)
-        members = coord.alive()
-        self.record("profiling", workers=sorted(members))
         keys = profile_workers(coord, job, members)
         base = coord.cluster_base()
         budgets = profile_budgets(coord, keys)
         cluster = cluster_for(members, keys, budgets, base, settings.link_bandwidth)
         self.store.put_json(cluster.model_dump(mode="json"), "cluster", self.jid)
-        self.record("planning", planner=job.planner)
+        if state is not None:
+            self.record(state, planner=job.planner)
         req = PlanRequest(
             job_id=self.jid,
             planner=job.planner,
@@ -177,23 +214,139 @@ class JobRun:
                 commit_checkpoint(store, jid, 0, len(model))
 
             coord.durable("saving the initial weights", initial)
+        self.committed = start
         epoch = self._assign_all(plan, start)
         self.record("running", epoch=epoch, round=start, total_rounds=self.total)
         summary = JobSummary(job_id=jid, rounds=self.total)
         if job.eval_every and start == 0:
             self._evaluate(plan, epoch, 0, summary)  # the baseline the gain is measured from
-        for r in range(start, self.total):
+        r = start
+        lost: DeviceLost | None = None  # devices lost since the last recovery that succeeded
+        while r < self.total:
             bind_global(round=r)
             coord.check_cancelled(jid)
-            self._round(plan, epoch, r, summary, model)
-            done = r + 1
-            if done == self.total or (job.eval_every and done % job.eval_every == 0):
-                self._evaluate(plan, epoch, done, summary)
-            if done == self.total or (job.checkpoint_every and done % job.checkpoint_every == 0):
-                self._checkpoint(plan, epoch, done, len(model))
-                summary.checkpoints.append(done)
+            try:
+                if lost is not None:
+                    plan, epoch, r = self._recover(plan, lost, r, start, summary, len(model))
+                    lost = None
+                    continue
+                self._step(plan, epoch, r, summary, model)
+            except DeviceLost as more:  # another loss during a recovery adds to the first
+                lost = (
+                    more
+                    if lost is None
+                    else DeviceLost([*lost.devices, *more.devices], f"{lost}; {more}")
+                )
+                continue
+            r += 1
         self.record("finished", round=self.total)
         return summary
+
+    def _step(
+        self, plan: Plan, epoch: int, r: int, summary: JobSummary, model: nn.Sequential
+    ) -> None:
+        """Round `r`, then the evaluation and checkpoint due after it."""
+        job = self.job
+        self._round(plan, epoch, r, summary, model)
+        done = r + 1
+        if done == self.total or (job.eval_every and done % job.eval_every == 0):
+            self._evaluate(plan, epoch, done, summary)
+        if done == self.total or (job.checkpoint_every and done % job.checkpoint_every == 0):
+            self._checkpoint(plan, epoch, done, len(model))
+            summary.checkpoints.append(done)
+
+    # --- recovery --------------------------------------------------------------
+
+    def _recover(
+        self,
+        plan: Plan,
+        lost: DeviceLost,
+        r: int,
+        start: int,
+        summary: JobSummary,
+        layers: int,
+    ) -> tuple[Plan, int, int]:
+        """Go on without the lost devices: a new plan, every stage from one version, replay.
+
+        The round in flight is abandoned on every device (the new assignment aborts
+        it, including groups that already stepped for it), and every stage resumes
+        from the newest committed checkpoint v in Redis, so rounds v..r are replayed
+        with the same samples: N committed rounds stay N single-device steps.
+        Returns the new plan, its epoch and the round to run next.
+        """
+        job, coord, jid = self.job, self.coord, self.jid
+        if job.recovery == "none":
+            raise lost
+        t0 = time.monotonic()
+        gone = set(lost.devices)
+        log.warning("devices lost; recovering", lost=lost.devices, round=r, reason=str(lost))
+        if self.state != "recovering":
+            self.record("recovering", lost=lost.devices, round=r, reason=str(lost))
+        survivors = [d for d in plan.devices if d not in gone]
+        try:
+            if job.recovery == "heavy":  # the full planner, on every live device but the lost
+                members = {d: m for d, m in coord.alive().items() if d not in gone}
+                new_plan = self._planned(members, None)
+            else:
+                new_plan = survivors_plan(plan, gone, *self._capacities())
+            new_plan.validate_for(layers)
+        except (RecoveryImpossible, ConfigError) as exc:
+            raise JobFailed(f"{lost}; cannot re-plan on {survivors}: {exc}") from exc
+        version = coord.durable("finding the checkpoint", lambda: latest_round(self.store, jid))
+        if version is None:
+            raise JobFailed(f"{lost}; no checkpoint of job {jid} to resume the survivors from")
+        replayed = self.committed - version  # committed rounds that run again
+        coord.durable(
+            "recording the rollback",
+            lambda: self.store.append(
+                "ledger", jid, rollback_entry(version, [str(d) for d in gone]), maxlen=LEDGER_MAX
+            ),
+        )
+        coord.durable(
+            "storing the plan",
+            lambda: self.store.put_json(new_plan.model_dump(mode="json"), "plan", jid),
+        )
+        coord.assigned = frozenset(new_plan.devices)
+        epoch = self._assign_all(new_plan, version)
+        self.committed = version
+        summary.rollback(start, version)
+        seconds = time.monotonic() - t0
+        record = {
+            "lost": [str(d) for d in lost.devices],
+            "reason": str(lost),
+            "failed_round": r,
+            "from_round": version,
+            "replayed": replayed,
+            "seconds": round(seconds, 3),
+            "recovery": job.recovery,
+            "stages": [
+                [st.start, st.end, [str(a.device) for a in st.devices]] for st in new_plan.stages
+            ],
+        }
+        summary.recoveries.append(record)
+        coord.durable(
+            "recording the recovery",
+            lambda: self.store.append("events", jid, {"event": "recovered", **record}),
+        )
+        self.record("running", epoch=epoch, round=version, total_rounds=self.total)
+        log.info("recovered", **record)
+        return new_plan, epoch, version
+
+    def _capacities(self) -> tuple[list[float] | None, dict[DeviceId, float] | None]:
+        """Layer costs and device speeds from the job's profiles, or (None, None) for equal."""
+        stored = self.store.get_json("cluster", self.jid)
+        if stored is None or self.job.global_batch is None:
+            return None, None
+        cluster = ClusterSpec.model_validate(stored)
+        profiles = {}
+        for device in cluster.devices:
+            data = self.store.get_json("profile", device.profile) if device.profile else None
+            if data is not None:
+                profiles[device.profile] = Profile.model_validate(data)
+        try:
+            return capacities(cluster, profiles, self.job.global_batch)
+        except RecoveryImpossible:
+            return None, None
 
     def _assign_all(self, plan: Plan, start: int) -> int:
         """Give every device its stage under a new plan epoch; returns the epoch."""
@@ -228,7 +381,14 @@ class JobRun:
         t0 = time.perf_counter()
         for d in plan.devices:
             coord.send(d, RunRound(epoch=epoch, round=r))
-        done = coord.gather(RoundDone, plan.devices, epoch, r, coord.settings.round_timeout_s)
+        done = coord.gather(
+            RoundDone,
+            plan.devices,
+            epoch,
+            r,
+            coord.settings.round_timeout_s,
+            watchdog_s=coord.hung_watchdog_s(plan),
+        )
         elapsed = time.perf_counter() - t0
         last = [a.device for a in plan.stages[-1].devices]
         loss = sum(done[d].loss_sum for d in last)
@@ -253,6 +413,8 @@ class JobRun:
     ) -> None:
         """Record round `r` as committed: weights now belong to round r+1."""
         rate = plan.global_batch / elapsed
+        lo, hi = r * plan.global_batch, (r + 1) * plan.global_batch
+        samples = sample_indices(self.job.seed, self.train_size, lo, hi - lo)
         self._publish(
             f"committing round {r}",
             {
@@ -264,6 +426,7 @@ class JobRun:
             },
             {
                 "round": r,
+                "epoch": epoch,
                 "loss": loss,
                 "accuracy": acc,
                 "round_s": elapsed,
@@ -279,7 +442,9 @@ class JobRun:
                     for d, m in done.items()
                 },
             },
+            round_entry(r, epoch, lo, hi, samples),
         )
+        self.committed = r + 1
         log.info(
             "round committed",
             loss=round(loss, 5),
@@ -293,7 +458,14 @@ class JobRun:
         batches = math.ceil(eval_size(self.job) / plan.global_batch)
         for d in plan.devices:
             coord.send(d, RunEval(epoch=epoch, round=round_no, batches=batches))
-        done = coord.gather(EvalDone, plan.devices, epoch, round_no, coord.settings.round_timeout_s)
+        done = coord.gather(
+            EvalDone,
+            plan.devices,
+            epoch,
+            round_no,
+            coord.settings.round_timeout_s,
+            watchdog_s=coord.hung_watchdog_s(plan),
+        )
         last = [a.device for a in plan.stages[-1].devices]
         samples = sum(done[d].samples for d in last)
         loss = sum(done[d].loss_sum for d in last) / max(1, samples)
@@ -323,7 +495,12 @@ class JobRun:
         for d in plan.devices:
             coord.send(d, SaveCheckpoint(epoch=epoch, round=round_no))
         saved = coord.gather(
-            CheckpointSaved, plan.devices, epoch, round_no, coord.settings.round_timeout_s
+            CheckpointSaved,
+            plan.devices,
+            epoch,
+            round_no,
+            coord.settings.round_timeout_s,
+            watchdog_s=coord.hung_watchdog_s(plan),
         )
         digests = [
             {str(a.device): saved[a.device].digest for a in st.devices} for st in plan.stages
@@ -339,15 +516,23 @@ class JobRun:
 
         coord.durable(f"committing the checkpoint of round {round_no}", commit)
 
-    def _publish(self, what: str, fields: dict[str, Any], metrics: dict[str, Any]) -> None:
-        """Update the job's hash and append to its metrics stream, waiting out an outage.
+    def _publish(
+        self,
+        what: str,
+        fields: dict[str, Any],
+        metrics: dict[str, Any],
+        ledger: dict[str, Any] | None = None,
+    ) -> None:
+        """Update the job's hash and its metrics (and ledger) streams, waiting out an outage.
 
-        The job goes on only once both are written: a round is committed when Redis
+        The job goes on only once all are written: a round is committed when Redis
         says so, which is what makes an outage pause the job at a round boundary.
         """
 
         def write() -> None:
             self.store.set_fields(fields, "job", self.jid)
             self.store.append("metrics", self.jid, metrics)
+            if ledger is not None:
+                self.store.append("ledger", self.jid, ledger, maxlen=LEDGER_MAX)
 
         self.coord.durable(what, write)

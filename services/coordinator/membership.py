@@ -7,6 +7,13 @@ A heartbeat costs the coordinator a Redis write at most once a second per
 device, an unknown device takes memory only up to a cap, and a device that
 stops heartbeating is forgotten after the expiry time, so no stream of
 heartbeats, from one id or from thousands, grows state or load without bound.
+
+Detection is pure too: `check_liveness` turns a device of the running job
+whose heartbeats are overdue into a suspect to probe, and a probe left
+unanswered for the probe timeout into a dead device; `on_probe_reply` clears
+a suspect; `hung` finds devices that heartbeat without progress for longer
+than the watchdog (`watchdog_s`). Only these three facts fail a device, so a
+straggler that heartbeats and progresses never is.
 """
 
 from __future__ import annotations
@@ -19,29 +26,46 @@ from common.ids import DeviceId
 from common.messages import Heartbeat
 
 __all__ = [
+    "Liveness",
     "Member",
     "Members",
+    "Probes",
+    "Probing",
     "Rules",
     "Verdict",
     "admit",
+    "check_liveness",
     "dead",
     "expired",
     "forget",
+    "hung",
     "on_heartbeat",
+    "on_probe_reply",
+    "probe_sent",
     "unassigned",
+    "watchdog_s",
 ]
 
 
 @dataclass(frozen=True)
 class Member:
-    """The latest heartbeat of a worker, when it arrived, and when Redis last got it."""
+    """The latest heartbeat of a worker, when it was last heard from, and when Redis got it."""
 
     device: DeviceId
     last_seen: float
+    """When it was last heard from: its latest heartbeat, or its answer to a probe."""
     info: Heartbeat
     beats: int = 1
     written: float | None = None
     """When its state was last written to Redis (None: not yet)."""
+    progressed: float | None = None
+    """When a heartbeat last showed its progress count move, or it waiting on a peer or
+    Redis (a wait with its own bound); None: when it joined."""
+
+    @property
+    def still_since(self) -> float:
+        """Since when its heartbeats show it standing still (neither progressing nor waiting)."""
+        return self.last_seen if self.progressed is None else self.progressed
 
 
 Members = dict[DeviceId, Member]
@@ -75,10 +99,15 @@ class Verdict(enum.Enum):
 def on_heartbeat(state: Members, hb: Heartbeat, now: float) -> Members:
     """State after heartbeat `hb` arrived at time `now` (registers new workers)."""
     old = state.get(hb.device)
-    member = (
-        Member(hb.device, now, hb)
-        if old is None
-        else replace(old, last_seen=now, info=hb, beats=old.beats + 1)
+    if old is None:
+        return {**state, hb.device: Member(hb.device, now, hb, progressed=now)}
+    moved = hb.waiting or hb.progress != old.info.progress
+    member = replace(
+        old,
+        last_seen=now,
+        info=hb,
+        beats=old.beats + 1,
+        progressed=now if moved else old.progressed,
     )
     return {**state, hb.device: member}
 
@@ -130,3 +159,105 @@ def expired(
 def forget(state: Members, devices: Collection[DeviceId]) -> Members:
     """State without `devices`."""
     return {d: m for d, m in state.items() if d not in devices}
+
+
+# --- detection: suspects, probes, hung devices -------------------------------
+
+
+@dataclass(frozen=True)
+class Probing:
+    """A probe sent to a suspect and not answered yet."""
+
+    nonce: int
+    sent: float
+    silent_s: float
+    """How long the device had not been heard from when it was probed."""
+
+
+Probes = dict[DeviceId, Probing]
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """What `check_liveness` found: probes still open, suspects to probe, the dead."""
+
+    probes: Probes
+    """Open probes: sent, neither answered nor followed by a heartbeat yet."""
+    probe: list[DeviceId]
+    """Suspects not probed yet: probe each now and record it with `probe_sent`."""
+    dead: list[DeviceId]
+    """Suspects that left their probe unanswered for longer than the probe timeout."""
+
+
+def check_liveness(
+    state: Members,
+    probes: Probes,
+    now: float,
+    among: Collection[DeviceId],
+    deadline_s: float,
+    probe_timeout_s: float,
+) -> Liveness:
+    """Which devices of `among` to probe and which are dead, at time `now`.
+
+    A device not heard from for longer than `deadline_s` (heartbeat interval
+    times misses) is a suspect and gets one probe; hearing from it again (a
+    heartbeat, or the answer) clears the probe; a probe unanswered for longer
+    than `probe_timeout_s` makes it dead. Missed heartbeats alone never do: a
+    heartbeat may be lost or late while the device is fine.
+    """
+    open_ = {
+        d: p
+        for d, p in probes.items()
+        if d in among and d in state and state[d].last_seen <= p.sent
+    }
+    suspects = [d for d in dead(state, now, deadline_s, 1) if d in among]
+    return Liveness(
+        probes=open_,
+        probe=[d for d in suspects if d not in open_],
+        dead=sorted(d for d, p in open_.items() if now - p.sent > probe_timeout_s),
+    )
+
+
+def probe_sent(state: Members, probes: Probes, device: DeviceId, nonce: int, now: float) -> Probes:
+    """Open probes after probe `nonce` was sent to `device` at `now`."""
+    silent = now - state[device].last_seen if device in state else 0.0
+    return {**probes, device: Probing(nonce, now, silent)}
+
+
+def on_probe_reply(
+    state: Members, probes: Probes, device: DeviceId, nonce: int, now: float
+) -> tuple[Members, Probes, bool]:
+    """State and open probes after `device` answered probe `nonce` at `now`; True if it counted.
+
+    The answer to the open probe counts as hearing from the device. Any other
+    (a stale nonce, or an answer after the device was declared dead and its
+    probe closed) changes nothing.
+    """
+    open_ = probes.get(device)
+    if open_ is None or open_.nonce != nonce or device not in state:
+        return state, probes, False
+    rest = {d: p for d, p in probes.items() if d != device}
+    return {**state, device: replace(state[device], last_seen=now)}, rest, True
+
+
+def hung(
+    state: Members, now: float, among: Collection[DeviceId], watchdog_s: float, since: float
+) -> list[DeviceId]:
+    """Devices of `among` standing still for longer than `watchdog_s`, counted from `since`.
+
+    Standing still: heartbeats show no progress and no wait on a peer or on
+    Redis. A device blocked on a peer is not hung (the peer is, or its own
+    task timeout ends the wait), so one hung device of a group does not take
+    its waiting peers down with it. `since` is when the wait for the devices
+    began: time idle between two commands is not counted.
+    """
+    return sorted(
+        d
+        for d in among
+        if (m := state.get(d)) is not None and now - max(m.still_since, since) > watchdog_s
+    )
+
+
+def watchdog_s(min_s: float, factor: float, predicted_round_s: float | None) -> float:
+    """How long a device may stand still in a round: `factor` rounds as predicted, or `min_s`."""
+    return max(min_s, factor * (predicted_round_s or 0.0))

@@ -17,9 +17,9 @@ from common.errors import AsteroidError, ConfigError
 from common.ids import DeviceId
 from common.job import JobSpec
 from common.messages import Heartbeat, ProfileReply, ProfileRequest
+from common.model_key import model_key
 from common.profile import ClusterSpec, DeviceSpec, Profile
 from services.coordinator.membership import Member
-from services.profiler.layers import model_key
 
 if TYPE_CHECKING:
     from services.coordinator.service import Coordinator

@@ -4,12 +4,14 @@ One thread, one ROUTER: `pump()` takes whatever arrived (heartbeats update the
 membership, hellos the service list, people's submit and cancel requests are
 answered at once, everything else waits in the inbox) and a running job
 (`jobs.JobRun`) gathers the replies it needs with explicit timeouts, failing
-with a message that names the worker when one reports an error or stops
-heartbeating.
+with a message that names the worker when one reports an error, is lost (its
+heartbeats stopped and it did not answer a probe) or hung (it heartbeats but
+makes no progress for longer than the watchdog).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -28,6 +30,7 @@ from common.curve import is_loopback, load_keys
 from common.errors import AsteroidError, ConfigError, PlanError, ProtocolError
 from common.ids import DeviceId
 from common.job import JobSpec, check_job_id
+from common.lifecycle import ACTIVE
 from common.logging import get_logger
 from common.messages import (
     CancelJob,
@@ -36,6 +39,8 @@ from common.messages import (
     Message,
     PlanReply,
     PlanRequest,
+    Probe,
+    ProbeReply,
     ServiceHello,
     Shutdown,
     SubmitJob,
@@ -48,16 +53,21 @@ from common.settings import CoordinatorSettings
 from common.sockets import bind_router
 from common.store import OUTAGE, Store
 from services.coordinator.checks import check_job
-from services.coordinator.jobs import JobCancelled, JobFailed, JobRun, JobSummary
-from services.coordinator.lifecycle import ACTIVE
+from services.coordinator.jobs import DeviceLost, JobCancelled, JobFailed, JobRun, JobSummary
 from services.coordinator.membership import (
     Members,
+    Probes,
     Rules,
     Verdict,
     admit,
+    check_liveness,
     dead,
     expired,
     forget,
+    hung,
+    on_probe_reply,
+    probe_sent,
+    watchdog_s,
 )
 
 __all__ = ["Coordinator", "JobCancelled", "JobFailed", "JobSummary"]
@@ -83,6 +93,7 @@ SENDER_ROLES = {
     "eval_done": "worker",
     "checkpoint_saved": "worker",
     "worker_error": "worker",
+    "probe_reply": "worker",
     "service_hello": "service",
     "plan_reply": "service",
     "profile_reply": "service",
@@ -138,6 +149,9 @@ class Coordinator:
             max(settings.device_expiry_s, dead_s),
             settings.max_unassigned_devices,
         )
+        self.probes: Probes = {}
+        """Probes sent to suspects and not answered yet."""
+        self._nonces = itertools.count(1)
         self.assigned: frozenset[DeviceId] = frozenset()
         """Devices the running job's plan names: never forgotten nor capped while it runs."""
         self.heartbeat_counts = {v: 0 for v in Verdict} | {"expired": 0, "unrecorded": 0}
@@ -256,6 +270,8 @@ class Coordinator:
                     self.send(DeviceId(peer), JobReply(job_id="", ok=False, error=why))
             elif isinstance(env.msg, Heartbeat):
                 self._heartbeat(env.msg)
+            elif isinstance(env.msg, ProbeReply):
+                self._probe_reply(env.msg)
             elif isinstance(env.msg, ServiceHello):
                 if env.msg.service not in self.services:
                     log.info("service joined", service=env.msg.service, peer=peer)
@@ -295,6 +311,16 @@ class Coordinator:
                 )
             except OUTAGE:  # the next heartbeat's write a second later catches up
                 self.heartbeat_counts["unrecorded"] += 1
+
+    def _probe_reply(self, msg: ProbeReply) -> None:
+        """A suspect answered: it is there, whatever became of its heartbeats."""
+        self.members, self.probes, counted = on_probe_reply(
+            self.members, self.probes, msg.device, msg.nonce, time.monotonic()
+        )
+        if counted:
+            log.info("suspect answered the probe", device=msg.device)
+        else:  # late (the device was declared dead meanwhile) or stale
+            log.info("ignored a probe answer nobody waits for", device=msg.device, nonce=msg.nonce)
 
     def _sweep(self) -> None:
         """Forget devices not heard from for the expiry time (memory and their Redis key).
@@ -414,11 +440,23 @@ class Coordinator:
         epoch: int,
         round_no: int,
         timeout_s: float,
+        watchdog_s: float | None = None,
     ) -> dict[DeviceId, Any]:
-        """Wait for one `kind` reply of (epoch, round) from each of `devices`."""
+        """Wait for one `kind` reply of (epoch, round) from each of `devices`.
+
+        A device whose heartbeats are overdue is probed; one that leaves the
+        probe unanswered is lost. With `watchdog_s`, a device that has not
+        replied and heartbeats without progress for that long is lost as hung.
+
+        Raises:
+            DeviceLost: Devices of `devices` are dead or hung (recovery may go on without them).
+            JobFailed: A device reported an error, or the replies took over `timeout_s`.
+
+        """
         want = set(devices)
         got: dict[DeviceId, Any] = {}
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         while len(got) < len(want):
             self.pump(0.05)
             for _ in range(len(self.inbox)):
@@ -435,24 +473,64 @@ class Coordinator:
                 else:
                     log.debug("ignored stale reply", peer=peer, type=msg.type)
             now = time.monotonic()
-            gone = [
-                d
-                for d in dead(
-                    self.members, now, self.settings.heartbeat_s, self.settings.heartbeat_misses
-                )
-                if d in want
-            ]
-            if gone:
-                raise JobFailed(
-                    f"workers {gone} stopped heartbeating while the coordinator waited for "
-                    f"{kind.__name__} of round {round_no}"
-                )
+            suspects = self._check_liveness(want, now, f"{kind.__name__} of round {round_no}")
+            if watchdog_s is not None:
+                waiting = [d for d in want if d not in got and d not in suspects]
+                if stuck := hung(self.members, now, waiting, watchdog_s, start):
+                    one = len(stuck) == 1
+                    who = f"worker {stuck[0]} heartbeats" if one else f"workers {stuck} heartbeat"
+                    raise DeviceLost(
+                        stuck,
+                        f"{who} but made no progress for {watchdog_s:g} s in round {round_no} "
+                        "(watchdog)",
+                    )
             if now > deadline:
                 raise JobFailed(
                     f"no {kind.__name__} of round {round_no} from {sorted(want - set(got))} "
                     f"within {timeout_s:g} s"
                 )
         return got
+
+    def _check_liveness(self, want: set[DeviceId], now: float, waited_for: str) -> set[DeviceId]:
+        """Probe new suspects among `want`; raise DeviceLost for those that did not answer.
+
+        Returns the suspects with a probe open (they are neither dead nor hung yet).
+        """
+        s = self.settings
+        found = check_liveness(
+            self.members,
+            self.probes,
+            now,
+            want,
+            s.heartbeat_s * s.heartbeat_misses,
+            s.probe_timeout_s,
+        )
+        self.probes = found.probes
+        if found.dead:
+            silent = max(now - self.members[d].last_seen for d in found.dead)
+            self.probes = {d: p for d, p in self.probes.items() if d not in found.dead}
+            raise DeviceLost(
+                found.dead,
+                f"workers {found.dead} missed heartbeats for {silent:.1f} s and did not answer "
+                f"a probe within {s.probe_timeout_s:g} s while the coordinator waited for "
+                f"{waited_for}",
+            )
+        for d in found.probe:
+            nonce = next(self._nonces)
+            self.probes = probe_sent(self.members, self.probes, d, nonce, now)
+            log.warning(
+                "probing suspect",
+                device=d,
+                silent_s=round(self.probes[d].silent_s, 2),
+                nonce=nonce,
+            )
+            self.send(d, Probe(nonce=nonce))
+        return set(self.probes)
+
+    def hung_watchdog_s(self, plan: Plan) -> float:
+        """How long a device of `plan` may heartbeat without progress before it counts as hung."""
+        s = self.settings
+        return watchdog_s(s.hung_min_s, s.hung_factor, plan.predicted_round_s)
 
     def request_plan(self, req: PlanRequest, timeout_s: float) -> Plan:
         """Ask the planner service for a plan (it lands in Redis) and load it."""

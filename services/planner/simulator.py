@@ -21,8 +21,8 @@ from typing import Literal
 
 from common.errors import PlanError
 from common.plan import Plan, Route, routes
+from common.schedule import POLICIES, Action, PoolView, next_task
 from services.planner.cost import CostModel
-from services.worker.schedule import POLICIES, Action, PoolView, next_task
 
 __all__ = ["Event", "SimResult", "estimate", "simulate"]
 

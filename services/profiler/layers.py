@@ -3,7 +3,8 @@
 Each layer runs forward and backward on real inputs (the synthetic dataset fed
 through the layers before it), for several batch sizes, because time is not
 linear in batch size. Times are medians of `repeats` runs after `warmup` runs.
-What names the device a profile describes lives in `services.profiler.device`.
+What names the device a profile describes lives in `common.device`, and the
+model's name in `common.model_key`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import torch
 from torch import nn
 
 from common.data import dataset_for, split_indices
+from common.device import device_fingerprint
 from common.errors import ConfigError
+from common.model_key import model_key
 from common.profile import LayerProfile, Profile
 from common.saved_bytes import SavedBytes, weight_storages
 from common.zoo import ModelSpec, build_model
-from services.profiler.device import device_fingerprint
 
 __all__ = [
     "OPTIMIZER_STATE",
@@ -31,7 +33,6 @@ __all__ = [
     "ProgressFn",
     "Step",
     "auto_batch_sizes",
-    "model_key",
     "profile_model",
 ]
 
@@ -63,13 +64,6 @@ WARM_ENOUGH_S = 0.2
 
 CALIBRATE_S = 0.3
 """Seconds of whole passes per batch size that calibrate the per-layer medians."""
-
-
-def model_key(spec: ModelSpec) -> str:
-    """A stable name for a model's shape: zoo name, class count, sorted options."""
-    opts = [f"num_classes={spec.num_classes}"]
-    opts += [f"{k}={v!r}" for k, v in sorted(spec.options.items())]
-    return f"{spec.name}({','.join(opts)})"
 
 
 def _layer_name(layer: nn.Module) -> str:

@@ -30,22 +30,23 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from common.errors import AsteroidError, ConfigError, StoreError
-from common.exit_codes import ExitCode
-from common.logging import bind_global, configure_logging, get_logger
-from common.memory import keep_freed_memory
-from common.profile import Profile
-from common.settings import ProfilerSettings
-from common.store import Store
-from common.zoo import ModelSpec, OptionValue
-from services.profiler.cache import load_reusable, save
-from services.profiler.device import (
+from common.device import (
     default_threads,
     device_fingerprint,
     memory_budget,
     visible_cores,
 )
-from services.profiler.layers import ProgressFn, Step, model_key, profile_model
+from common.errors import AsteroidError, ConfigError, StoreError
+from common.exit_codes import ExitCode
+from common.logging import bind_global, configure_logging, get_logger
+from common.memory import keep_freed_memory
+from common.model_key import model_key
+from common.profile import Profile
+from common.settings import ProfilerSettings
+from common.store import Store
+from common.zoo import ModelSpec, OptionValue
+from services.profiler.cache import load_reusable, save
+from services.profiler.layers import ProgressFn, Step, profile_model
 from services.profiler.service import ProfilerService
 
 __all__ = ["main", "parse_options", "run", "serve"]

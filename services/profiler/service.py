@@ -28,15 +28,16 @@ import zmq
 
 from common.codec import Limits, encode, recv_message
 from common.curve import COORDINATOR, CurveKeys, load_keys
+from common.device import device_fingerprint, memory_budget
 from common.errors import AsteroidError, ConfigError, ProtocolError
 from common.logging import get_logger
 from common.messages import ProfileReply, ProfileRequest, ServiceHello
+from common.model_key import model_key
 from common.settings import ProfilerSettings
 from common.sockets import connect_dealer, poll_in
 from common.store import Store
 from services.profiler.cache import load_reusable, profile_key, save
-from services.profiler.device import device_fingerprint, memory_budget
-from services.profiler.layers import ProgressFn, Step, model_key, profile_model
+from services.profiler.layers import ProgressFn, Step, profile_model
 
 __all__ = ["ProfilerService", "refusal", "service_identity"]
 

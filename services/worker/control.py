@@ -2,6 +2,8 @@
 
 It owns the DEALER to the coordinator and an inproc PULL through which the
 main thread sends replies, so heartbeats keep flowing while a round computes.
+It answers the coordinator's probes itself, at once: a probe queued behind a
+running command would make a busy worker look dead.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import zmq
 from common.codec import Envelope, Limits, encode, recv_message
 from common.curve import COORDINATOR, CurveKeys
 from common.errors import ProtocolError
+from common.ids import DeviceId
 from common.logging import get_logger
-from common.messages import Assign, Heartbeat, Message, Shutdown
+from common.messages import Assign, Heartbeat, Message, Probe, ProbeReply, Shutdown
 from common.sockets import connect_dealer
 
 __all__ = ["ControlLink"]
 
 log = get_logger(__name__)
 _OUTBOX = "inproc://control-outbox"
+_STOP_CHECK_S = 0.5
+"""Longest the thread polls before it looks at its stop flag again."""
 
 
 class ControlLink(threading.Thread):
@@ -76,7 +81,9 @@ class ControlLink(threading.Thread):
                 if now >= next_beat:
                     sock.send_multipart(encode(self.heartbeat(), self.device))
                     next_beat = now + self.heartbeat_s
-                events = dict(poller.poll(int(max(0.0, next_beat - now) * 1000) or 1))
+                # a long heartbeat interval must not delay noticing `stop`
+                wait_s = min(_STOP_CHECK_S, max(0.0, next_beat - now))
+                events = dict(poller.poll(int(wait_s * 1000) or 1))
                 if self._pull in events:
                     sock.send_multipart(self._pull.recv_multipart())
                 if sock in events:
@@ -86,6 +93,10 @@ class ControlLink(threading.Thread):
                         log.warning(
                             "dropped bad control message", peer="coordinator", reason=exc.reason
                         )
+                        continue
+                    if isinstance(env.msg, Probe):
+                        reply = ProbeReply(device=DeviceId(self.device), nonce=env.msg.nonce)
+                        sock.send_multipart(encode(reply, self.device))
                         continue
                     if isinstance(env.msg, Assign | Shutdown):
                         # a round blocked on a dead peer must not delay these

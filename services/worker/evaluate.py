@@ -24,7 +24,7 @@ from torch import nn
 
 from common.errors import AsteroidError
 from common.messages import Activation
-from services.worker.schedule import Action, PoolView, next_eval
+from common.schedule import Action, PoolView, next_eval
 
 if TYPE_CHECKING:
     from services.worker.stage import StageRunner
@@ -69,11 +69,12 @@ def evaluate(runner: StageRunner, round_no: int, batches: int) -> EvalResult:
     try:
         with torch.no_grad():
             for j in range(n):
-                runner.pool.wait(
-                    functools.partial(_decide, runner, round_no, j, n),
-                    runner.timeout,
-                    functools.partial(_waiting_for, runner, j),
-                )
+                with runner.blocked():  # waiting on a peer is not being hung
+                    runner.pool.wait(
+                        functools.partial(_decide, runner, round_no, j, n),
+                        runner.timeout,
+                        functools.partial(_waiting_for, runner, j),
+                    )
                 _forward(runner, round_no, j, res)
     finally:
         runner.module.train()

@@ -24,6 +24,12 @@ from torch import nn
 
 from common.codec import Limits
 from common.curve import load_keys
+from common.device import (
+    cpu_quota,
+    device_fingerprint,
+    training_budget,
+    visible_cores,
+)
 from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
 from common.ids import DeviceId
@@ -44,14 +50,9 @@ from common.messages import (
 )
 from common.settings import WorkerSettings
 from common.store import Store
-from services.profiler.device import (
-    cpu_quota,
-    device_fingerprint,
-    training_budget,
-    visible_cores,
-)
 from services.worker.addressing import data_hosts
 from services.worker.control import ControlLink
+from services.worker.faults import FailAt
 from services.worker.pool import TaskPool
 from services.worker.stage import StageRunner
 from services.worker.transport import Dispatcher, Receiver
@@ -109,6 +110,7 @@ class Worker:
         self.runner: StageRunner | None = None
         self.state = "idle"
         self.stopping = threading.Event()
+        self.fail_at = FailAt.parse(settings.fail_at)
         # The worker's own Redis URL and credentials (its per-role ACL user), never the
         # coordinator's: assignments name no Redis. redis-py connects on first use.
         self.store = Store(settings.redis_url, settings.cluster)
@@ -130,6 +132,8 @@ class Worker:
             stage=r.p if r else -1,
             round=r.round if r else -1,
             state=self.state,
+            progress=r.progress if r else 0,
+            waiting=r.waiting if r else False,
         )
 
     def serve(self) -> None:
@@ -214,6 +218,7 @@ class Worker:
             self.settings.task_timeout_s,
             self.settings.model_modules,
             self.settings.redis_outage_s,
+            self.fail_at,
         )
         bind_global(job=msg.job.job_id, stage=msg.stage, epoch=msg.epoch)
         self.state = "ready"
@@ -254,6 +259,8 @@ class Worker:
                 timings=res.stage_timings(),
             )
         )
+        if self.fail_at is not None:
+            self.fail_at.check(msg.round, "done")
 
     def _run_eval(self, msg: RunEval) -> None:
         runner = self._current(msg.epoch)

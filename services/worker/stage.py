@@ -10,8 +10,10 @@ through the same routes in `services.worker.evaluate`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,13 +28,14 @@ from common.job_data import open_data
 from common.messages import Activation, Assign, Gradient, ReduceChunk, StageTimings
 from common.plan import routes
 from common.saved_bytes import SavedBytes, weight_storages
+from common.schedule import Action, PoolView, next_task
 from common.settings import REDIS_OUTAGE_S
 from common.store import Store
 from common.zoo import build_model
 from services.worker.allreduce import ring_allreduce
 from services.worker.evaluate import EvalResult, evaluate
+from services.worker.faults import FailAt
 from services.worker.pool import Expected, TaskPool
-from services.worker.schedule import Action, PoolView, next_task
 from services.worker.transport import Dispatcher
 
 __all__ = ["RoundResult", "RoundState", "StageRunner", "make_optimizer"]
@@ -123,10 +126,13 @@ class StageRunner:
         task_timeout_s: float,
         allowed_modules: tuple[str, ...] = (),
         store_patience_s: float = REDIS_OUTAGE_S,
+        fail_at: FailAt | None = None,
     ) -> None:
         self.assign, self.device, self.store = assign, device, store
         self.store_patience_s = store_patience_s
         """How long a checkpoint waits out a Redis outage (the worker's redis_outage_s)."""
+        self.fail_at = fail_at
+        """Where to kill this worker on purpose (tests and benchmarks); None: never."""
         self.pool, self.out, self.timeout = pool, dispatcher, task_timeout_s
         plan, p = assign.plan, assign.stage
         self.plan, self.p, self.epoch = plan, p, assign.epoch
@@ -168,6 +174,14 @@ class StageRunner:
         # only the first stage reads samples; later stages get them as activations
         self.data = open_data(assign.job, zoo) if self.first else None
         self.round = assign.from_round
+        self.progress = 0
+        """Tasks finished: forwards (held-out ones too), backwards, all-reduce steps and
+        optimizer steps. Heartbeats carry it, so the coordinator tells a hung stage from a
+        slow one."""
+        self.waiting = False
+        """True while blocked on a peer or on Redis, a wait with its own bound (the task
+        timeout, redis_outage_s): standing still then is not a hang of this device."""
+        self.module.register_forward_hook(self._forwarded)
         pool.reset(assign.epoch, p, self.span, self._expected(), assign.from_round)
 
     def _expected(self) -> Expected:
@@ -206,7 +220,8 @@ class StageRunner:
                 self._decide, round_no, state.next_f, state.ctx, state.policy
             )
             what = functools.partial(self._waiting_for, state.next_f, state.ctx)
-            action = self.pool.wait(decide, self.timeout, what)
+            with self.blocked():
+                action = self.pool.wait(decide, self.timeout, what)
             state.timings["wait_s"] += time.perf_counter() - w0
             self.run_task(state, action)
         return self.end_round(state)
@@ -228,6 +243,8 @@ class StageRunner:
         c0 = time.perf_counter()
         mb = action.mb
         if action.kind == "F":
+            if self.fail_at is not None:
+                self.fail_at.check(state.round_no, "forward", mb)
             kept = SavedBytes(self._weights)
             with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
                 state.ctx[mb] = self._forward(state.round_no, mb, state.res)
@@ -239,21 +256,29 @@ class StageRunner:
             state.next_f += 1
             state.timings["forward_s"] += time.perf_counter() - c0
         else:
+            if self.fail_at is not None:
+                self.fail_at.check(state.round_no, "backward", mb)
             self._backward(state.round_no, mb, *state.ctx.pop(mb))
             self.pool.release_saved(state.kept.pop(mb))
             state.done_b += 1
+            self.progress += 1
             state.timings["backward_s"] += time.perf_counter() - c0
 
     def end_round(self, state: RoundState) -> RoundResult:
         """All-reduce inside the group, step the optimizer, report the round."""
         round_no, t = state.round_no, state.timings
         a0 = time.perf_counter()
+        if self.fail_at is not None:
+            self.fail_at.check(round_no, "allreduce")
         self._allreduce(round_no)
         s0 = time.perf_counter()
         lr = learning_rate(self.assign.job.optimizer, round_no, self.total_rounds)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self.progress += 1
+        if self.fail_at is not None:
+            self.fail_at.check(round_no, "step")
         t["allreduce_s"] = s0 - a0
         t["step_s"] = time.perf_counter() - s0
         t["total_s"] = time.perf_counter() - state.t0
@@ -346,7 +371,10 @@ class StageRunner:
             self.out.send(nxt, msg, [tensor])
 
         def recv(step: int, chunk: int) -> torch.Tensor:
-            return self.pool.take_chunk(round_no, step, chunk, self.timeout)
+            with self.blocked():
+                chunk_sum = self.pool.take_chunk(round_no, step, chunk, self.timeout)
+            self.progress += 1
+            return chunk_sum
 
         total = ring_allreduce(flat, self.rank, len(self.group), send, recv)
         offset = 0
@@ -359,6 +387,19 @@ class StageRunner:
                 n = b.numel()
                 b.copy_(total[offset : offset + n].view_as(b))
                 offset += n
+
+    def _forwarded(self, *_: object) -> None:
+        """Count a forward of the stage (a hook: held-out evaluation runs forwards too)."""
+        self.progress += 1
+
+    @contextlib.contextmanager
+    def blocked(self) -> Iterator[None]:
+        """Mark the stage as waiting on a peer or on Redis for the duration."""
+        self.waiting = True
+        try:
+            yield
+        finally:
+            self.waiting = False
 
     def _idle(self, seconds: float) -> None:
         """Wait `seconds` between Redis attempts; give up at once if the worker is stopping."""
@@ -380,17 +421,18 @@ class StageRunner:
         """
         layers = []
         if self.is_leader:
-            layers = self.store.ride_out(
-                lambda: save_stage(
-                    self.store,
-                    self.assign.job.job_id,
-                    round_no,
-                    self.module,
-                    self.optimizer,
-                    self.start,
-                ),
-                f"saving the checkpoint of round {round_no}",
-                self.store_patience_s,
-                self._idle,
-            )
+            with self.blocked():
+                layers = self.store.ride_out(
+                    lambda: save_stage(
+                        self.store,
+                        self.assign.job.job_id,
+                        round_no,
+                        self.module,
+                        self.optimizer,
+                        self.start,
+                    ),
+                    f"saving the checkpoint of round {round_no}",
+                    self.store_patience_s,
+                    self._idle,
+                )
         return layers, stage_digest(self.module, self.optimizer)

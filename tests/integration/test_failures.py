@@ -1,4 +1,5 @@
-"""A dead peer: the job fails with an error naming it, quickly, and nothing hangs."""
+"""A dead peer of a job that must not recover (`recovery: none`): the job fails with an
+error naming it, quickly, and nothing hangs. Recovery itself: test_recovery.py."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def test_killed_worker_fails_job_naming_it(tmp_path, redis_url, cluster_name, bu
         "seed": 7,
         "rounds": 1000,
         "optimizer": SGD,
+        "recovery": "none",
     }
     plan = {"global_batch": 32, "microbatches": 4, "stages": PLANS["hybrid"]}
     store = Store(redis_url, cluster_name)

@@ -12,12 +12,12 @@ import pytest
 import zmq
 
 from common.codec import Limits, recv_message, send_message
+from common.device import device_fingerprint
 from common.messages import ProfileReply, ProfileRequest, ServiceHello
 from common.profile import Profile
 from common.sockets import bind_router, poll_in
 from common.store import Store
 from common.zoo import ModelSpec
-from services.profiler.device import device_fingerprint
 from tests.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration

@@ -6,13 +6,13 @@ from torch import nn
 
 from common.data import dataset_for, split_indices
 from common.errors import ConfigError
+from common.model_key import model_key
 from common.profile import Profile
 from common.zoo import ModelSpec, build_model
 from services.profiler.layers import (
     HEADROOM,
     Step,
     auto_batch_sizes,
-    model_key,
     profile_model,
 )
 
@@ -104,17 +104,6 @@ def test_auto_batch_sizes():
     budget = int(1000 / HEADROOM)  # 1000 usable bytes
     assert auto_batch_sizes(per_sample=100, fixed=200, budget=budget) == [1, 2, 4, 8]
     assert auto_batch_sizes(per_sample=100, fixed=2000, budget=budget) == [1]  # never empty
-
-
-def test_model_key_is_stable_and_tells_models_apart():
-    a = ModelSpec(name="mlp", options={"hidden": 64, "depth": 2})
-    b = ModelSpec(name="mlp", options={"depth": 2, "hidden": 64})
-    assert model_key(a) == model_key(b)
-    assert model_key(a) != model_key(ModelSpec(name="mlp", options={"hidden": 64, "depth": 3}))
-    assert model_key(a) != model_key(ModelSpec(name="mlp", num_classes=5, options=a.options))
-    assert model_key(ModelSpec(name="mlp", options={"x": 1})) != model_key(
-        ModelSpec(name="mlp", options={"x": "1"})
-    )
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,13 @@ import json
 import pytest
 import structlog
 
+from common.device import device_fingerprint
 from common.errors import ConfigError
 from common.exit_codes import ExitCode
+from common.model_key import model_key
 from common.profile import Profile
 from common.store import Store
 from common.zoo import ModelSpec
-from services.profiler.device import device_fingerprint
-from services.profiler.layers import model_key
 from services.profiler.main import main, parse_options
 
 

@@ -17,6 +17,7 @@ import zmq
 
 import services.profiler.service as service_module
 from common.codec import Limits, encode, recv_message, send_message
+from common.device import device_fingerprint
 from common.messages import (
     PROTOCOL_VERSION,
     Message,
@@ -25,13 +26,13 @@ from common.messages import (
     ProfileRequest,
     ServiceHello,
 )
+from common.model_key import model_key
 from common.profile import Profile
 from common.settings import ProfilerSettings
 from common.sockets import bind_router, poll_in
 from common.store import Store
 from common.zoo import ModelSpec
-from services.profiler.device import device_fingerprint
-from services.profiler.layers import Step, model_key
+from services.profiler.layers import Step
 from services.profiler.service import ProfilerService
 
 M = TypeVar("M", bound=Message)

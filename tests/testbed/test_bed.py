@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 PROBE = str(Path(__file__).with_name("_probe.py"))
 MiB = 1 << 20
 SEEN_LIMITS = (
-    "from services.profiler.device import cgroup_memory_limit, cpu_quota\n"
+    "from common.device import cgroup_memory_limit, cpu_quota\n"
     "print(cpu_quota(), cgroup_memory_limit())"
 )
 

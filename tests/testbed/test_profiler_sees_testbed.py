@@ -25,7 +25,7 @@ PROFILE = textwrap.dedent(
     import json, torch
     torch.set_num_threads(1)
     from common.zoo import ModelSpec
-    from services.profiler.device import cgroup_memory_limit, cpu_quota
+    from common.device import cgroup_memory_limit, cpu_quota
     from services.profiler.layers import profile_model
     p = profile_model(ModelSpec(name="small_cnn"), [16], repeats=7, warmup=2)
     total = sum(l.forward_s[0] + l.backward_s[0] for l in p.layers)

@@ -23,10 +23,10 @@ from common.checkpoint import commit_checkpoint, save_stage
 from common.job import JobSpec
 from common.messages import Activation, Assign, Gradient, ReduceChunk
 from common.plan import Plan
+from common.schedule import Action
 from common.store import Store
 from common.zoo import build_model
 from services.worker.pool import TaskPool
-from services.worker.schedule import Action
 from services.worker.stage import RoundResult, StageRunner
 
 

@@ -15,8 +15,8 @@ import torch
 from common.job import JobSpec
 from common.messages import Activation, Gradient, ReduceChunk
 from common.plan import Plan
+from common.schedule import Action
 from services.worker.pool import TaskPool
-from services.worker.schedule import Action
 from tests.worker.local_pipeline import LocalPipeline
 
 F32, I64 = 4, 8

@@ -1,11 +1,13 @@
 """Pipeline schedules as data, and the scheduler's pure decision function.
 
 `schedule()` gives a stage's canonical order of actions for a policy (used by
-the rule checker and, later, the simulator); `next_task()` is what the worker
-calls on every step: given which tasks are ready in the pool, which one runs
-now. Both obey the same bound: under 1F1B at most K_p micro-batches have
-activations alive; under GPipe all M do. Held-out evaluation is forwards
-only: `eval_schedule()` and `next_eval()` are its pair.
+the rule checker); `next_task()` is what the worker calls on every step: given
+which tasks are ready in the pool, which one runs now. Both obey the same
+bound: under 1F1B at most K_p micro-batches have activations alive; under
+GPipe all M do. Held-out evaluation is forwards only: `eval_schedule()` and
+`next_eval()` are its pair. Shared in `common` because the planner's simulator
+replays the very decisions the worker makes, so predicted and real rounds
+follow one scheduler.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.worker.schedule import (
+from common.schedule import (
     Action,
     PoolView,
     eval_schedule,

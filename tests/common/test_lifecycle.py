@@ -1,7 +1,7 @@
 import pytest
 
 from common.errors import AsteroidError
-from services.coordinator.lifecycle import ACTIVE, TERMINAL, advance
+from common.lifecycle import ACTIVE, TERMINAL, advance
 
 
 def test_the_happy_path_and_its_shortcuts():

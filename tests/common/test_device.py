@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from services.profiler.device import (
+from common.device import (
     cgroup_memory_limit,
     cpu_quota,
     default_threads,

@@ -5,7 +5,8 @@ visible cores, torch threads, cgroup CPU quota, memory limit), so a profile is
 reused on the same device and re-measured on an emulated smaller one; a worker
 computes the same fingerprint to find the profiles that describe it. Limits come
 from cgroups (v1 or v2, the process's own group and its ancestors) because
-emulated devices and containers are cgroups, not machines.
+emulated devices and containers are cgroups, not machines. Shared in `common`
+because the profiler and the worker must compute the fingerprint identically.
 """
 
 from __future__ import annotations

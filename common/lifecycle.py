@@ -1,8 +1,11 @@
 """The states a job goes through, as a pure transition table.
 
 submitted -> profiling -> planning -> running -> finished, and from any
-state before the end to failed or cancelled. Kept pure so the rules are
-tested without sockets; the coordinator records each transition in Redis.
+state before the end to failed or cancelled. A running job whose devices are
+lost goes to recovering and, once re-planned on the survivors, back to running.
+Kept pure so the rules are tested without sockets; the coordinator records each
+transition in Redis. Shared in `common` because clients that follow a job (the
+CLI) need to know which states end it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ from common.errors import AsteroidError
 __all__ = ["ACTIVE", "TERMINAL", "JobState", "advance"]
 
 JobState = Literal[
-    "submitted", "profiling", "planning", "running", "finished", "failed", "cancelled"
+    "submitted",
+    "profiling",
+    "planning",
+    "running",
+    "recovering",
+    "finished",
+    "failed",
+    "cancelled",
 ]
 TERMINAL: frozenset[JobState] = frozenset({"finished", "failed", "cancelled"})
 ACTIVE: frozenset[JobState] = frozenset(get_args(JobState)) - TERMINAL
@@ -23,7 +33,8 @@ _NEXT: dict[JobState, frozenset[JobState]] = {
     "submitted": frozenset({"profiling", "planning", "running"}),
     "profiling": frozenset({"planning"}),
     "planning": frozenset({"running"}),
-    "running": frozenset({"finished"}),
+    "running": frozenset({"finished", "recovering"}),
+    "recovering": frozenset({"running"}),
 }
 
 

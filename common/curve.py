@@ -48,6 +48,7 @@ __all__ = [
     "create_key_set",
     "is_loopback",
     "load_keys",
+    "service_keys",
     "start_authenticator",
     "stop_authenticator",
 ]
@@ -270,3 +271,31 @@ def stop_authenticator(ctx: zmq.Context[Any]) -> None:
             return
         del _authenticators[id(ctx)]
     auth.stop()
+
+
+def service_keys(
+    root: Path | None, name: str | None = None
+) -> tuple[CurveKeys | None, bytes | None]:
+    """A service's pair and the coordinator's public key from `root`; (None, None) without.
+
+    `name` picks the service's pair (None: the folder's only one). Every failure
+    is a ConfigError that names the file and how to make it, so a service exits
+    with one line instead of a traceback.
+    """
+    try:
+        keys = load_keys(root, "service", name)  # its error names the file and the command
+        if keys is None:
+            return None, None
+        try:
+            return keys, keys.server_key("coordinator", COORDINATOR)
+        except ConfigError as exc:
+            # made with the set by `asteroid keys init`; a new one here would not match
+            raise ConfigError(
+                f"{exc} (copy it from the key set `asteroid keys init` made: every device "
+                "needs the set's public files)"
+            ) from exc
+    except (OSError, ValueError) as exc:  # an unreadable directory or file, a corrupt key
+        raise ConfigError(
+            f"cannot read the CURVE key set {root}: {exc} (it must be a readable directory "
+            f"made by `asteroid keys init {root} --service {name or 'NAME'}`)"
+        ) from exc

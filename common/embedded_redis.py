@@ -43,6 +43,25 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def wait_until_answers(
+    client: redis.Redis, proc: subprocess.Popen[bytes], timeout_s: float
+) -> bool:
+    """Ping `client` until it answers (True), or `proc` exits or `timeout_s` passes (False).
+
+    A freshly spawned redis-server takes a moment to listen (and longer to load an
+    append-only file); callers decide what a server that never answers means.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            return True
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+
 class EmbeddedRedis:
     """A private redis-server on a free port of `host` (loopback by default), stopped on exit.
 
@@ -78,19 +97,12 @@ class EmbeddedRedis:
             ]
         )
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise StoreError(
-                        f"embedded redis-server did not start on port {self.port}"
-                    ) from None
-                time.sleep(0.05)
-        client.close()
+        try:
+            if not wait_until_answers(client, self.proc, self.start_timeout_s):
+                self.stop()
+                raise StoreError(f"embedded redis-server did not start on port {self.port}")
+        finally:
+            client.close()
         return self
 
     def stop(self) -> None:

@@ -42,7 +42,13 @@ from common.store import OUTAGE
 from common.zoo import build_model
 from services.coordinator.membership import Members
 from services.coordinator.profiling import cluster_for, profile_budgets, profile_workers
-from services.coordinator.recovery import RecoveryImpossible, capacities, survivors_plan
+from services.coordinator.recovery import (
+    MemoryInputs,
+    RecoveryImpossible,
+    capacities,
+    memory_inputs,
+    survivors_plan,
+)
 
 if TYPE_CHECKING:
     from services.coordinator.service import Coordinator
@@ -232,6 +238,8 @@ class JobRun:
                     continue
                 self._step(plan, epoch, r, summary, model)
             except DeviceLost as more:  # another loss during a recovery adds to the first
+                if job.recovery == "none":
+                    raise
                 lost = (
                     more
                     if lost is None
@@ -275,8 +283,6 @@ class JobRun:
         Returns the new plan, its epoch and the round to run next.
         """
         job, coord, jid = self.job, self.coord, self.jid
-        if job.recovery == "none":
-            raise lost
         t0 = time.monotonic()
         gone = set(lost.devices)
         log.warning("devices lost; recovering", lost=lost.devices, round=r, reason=str(lost))
@@ -288,7 +294,8 @@ class JobRun:
                 members = {d: m for d, m in coord.alive().items() if d not in gone}
                 new_plan = self._planned(members, None)
             else:
-                new_plan = survivors_plan(plan, gone, *self._capacities())
+                costs, speeds, memory = self._capacities()
+                new_plan = survivors_plan(plan, gone, costs, speeds, memory)
             new_plan.validate_for(layers)
         except (RecoveryImpossible, ConfigError) as exc:
             raise JobFailed(f"{lost}; cannot re-plan on {survivors}: {exc}") from exc
@@ -332,21 +339,36 @@ class JobRun:
         log.info("recovered", **record)
         return new_plan, epoch, version
 
-    def _capacities(self) -> tuple[list[float] | None, dict[DeviceId, float] | None]:
-        """Layer costs and device speeds from the job's profiles, or (None, None) for equal."""
+    def _capacities(
+        self,
+    ) -> tuple[list[float] | None, dict[DeviceId, float] | None, MemoryInputs | None]:
+        """Layer costs, device speeds and memory inputs from the job's profiles; None if unknown.
+
+        A device's budget is what its heartbeat reports, else what the planner was
+        given for it, else 0 (unknown, so unlimited): the survivors' plan must fit
+        the memory they really have, not just balance their speed.
+        """
         stored = self.store.get_json("cluster", self.jid)
-        if stored is None or self.job.global_batch is None:
-            return None, None
+        if stored is None:
+            return None, None, None
         cluster = ClusterSpec.model_validate(stored)
         profiles = {}
         for device in cluster.devices:
             data = self.store.get_json("profile", device.profile) if device.profile else None
             if data is not None:
                 profiles[device.profile] = Profile.model_validate(data)
+        planned = {DeviceId(device.name): device.memory_bytes for device in cluster.devices}
+        budgets = {
+            d: m.info.memory_budget or planned.get(d, 0) for d, m in self.coord.members.items()
+        }
+        memory = memory_inputs(cluster, profiles, budgets)
+        if self.job.global_batch is None:
+            return None, None, memory
         try:
-            return capacities(cluster, profiles, self.job.global_batch)
+            costs, speeds = capacities(cluster, profiles, self.job.global_batch)
         except RecoveryImpossible:
-            return None, None
+            return None, None, memory
+        return costs, speeds, memory
 
     def _assign_all(self, plan: Plan, start: int) -> int:
         """Give every device its stage under a new plan epoch; returns the epoch."""

@@ -10,7 +10,7 @@ heartbeats, from one id or from thousands, grows state or load without bound.
 
 Detection is pure too: `check_liveness` turns a device of the running job
 whose heartbeats are overdue into a suspect to probe, and a probe left
-unanswered for the probe timeout into a dead device; `on_probe_reply` clears
+unanswered for the probe timeout into a dead device; `on_probe_reply` (or `heard`) clears
 a suspect; `hung` finds devices that heartbeat without progress for longer
 than the watchdog (`watchdog_s`). Only these three facts fail a device, so a
 straggler that heartbeats and progresses never is.
@@ -38,6 +38,7 @@ __all__ = [
     "dead",
     "expired",
     "forget",
+    "heard",
     "hung",
     "on_heartbeat",
     "on_probe_reply",
@@ -237,7 +238,18 @@ def on_probe_reply(
     if open_ is None or open_.nonce != nonce or device not in state:
         return state, probes, False
     rest = {d: p for d, p in probes.items() if d != device}
-    return {**state, device: replace(state[device], last_seen=now)}, rest, True
+    return heard(state, device, now), rest, True
+
+
+def heard(state: Members, device: DeviceId, now: float) -> Members:
+    """State after `device` answered its probe at `now`: heard from, like a heartbeat.
+
+    Its progress is left as it was: an answer proves the process is there, not
+    that it moves, so the watchdog still sees a hung device as hung.
+    """
+    if device not in state:
+        return state
+    return {**state, device: replace(state[device], last_seen=now)}
 
 
 def hung(

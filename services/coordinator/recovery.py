@@ -6,57 +6,188 @@ the partition points move so that each remaining group's share of the layers'
 cost follows its capacity (the sum of its devices' speeds). The groups keep
 their order, so most layers stay where they are. Costs and speeds come from
 profiles when the job has them, else every layer and device counts alike.
+With per-layer byte counts and the survivors' budgets, only splits that every
+device can hold are considered; when none can, recovery fails naming the
+layers that do not fit, rather than training on with a stage nobody holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from common.errors import AsteroidError
 from common.ids import DeviceId
-from common.plan import Plan, StageSpec
+from common.memory_model import LayerMemory
+from common.plan import Allocation, Plan, StageSpec
 from common.profile import ClusterSpec, Profile
 
-__all__ = ["RecoveryImpossible", "capacities", "partition", "survivors_plan"]
+__all__ = [
+    "MemoryInputs",
+    "RecoveryImpossible",
+    "capacities",
+    "memory_inputs",
+    "partition",
+    "survivors_plan",
+]
+
+Fits = Callable[[int, int, int], bool]
+"""`fits(group, start, end)`: whether group `group` (0-based) can hold layers [start, end)."""
 
 
 class RecoveryImpossible(AsteroidError):
     """No plan on the surviving devices can continue the job; the message says why."""
 
 
-def partition(costs: Sequence[float], capacity: Sequence[float]) -> list[tuple[int, int]]:
-    """Contiguous layer ranges, one per group in order, minimising the slowest group's time.
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What a memory check of the survivors needs: the model's bytes and each device's budget.
 
-    A group's time is the cost of its layers divided by its capacity; every
-    group gets at least one layer. Exact dynamic programme over split points
-    (layers and groups are few), ties to the earlier split so every run agrees.
+    A budget of 0, or a device without one, is unknown and counts as unlimited:
+    refusing to recover on a guess would stop jobs that fit.
     """
-    n, s = len(costs), len(capacity)
+
+    layers: LayerMemory
+    budgets: Mapping[DeviceId, int] = field(default_factory=dict)
+
+
+def _check_shape(n: int, s: int) -> None:
+    """Every group needs a layer of its own."""
     if s == 0:
         raise RecoveryImpossible("no device group survives")
     if n < s:
         raise RecoveryImpossible(f"{s} groups survive but the model has only {n} layers")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+
+
+def _minimax(
+    n: int, s: int, cost: Callable[[int, int, int], float]
+) -> tuple[float, list[tuple[int, int]]]:
+    """The split of `n` layers into `s` contiguous ranges minimising the largest `cost`.
+
+    `cost(g, j, i)` prices group g (0-based) holding layers [j, i); an infinite
+    cost forbids that range. Returns the optimum and its ranges, or (inf, [])
+    when every split is forbidden. Exact dynamic programme over split points
+    (layers and groups are few), ties to the earlier split so every run agrees.
+    """
     inf = float("inf")
-    # best[g][i]: the least slowest-group time covering layers [0, i) with groups [0, g)
+    # best[g][i]: the least largest cost covering layers [0, i) with groups [0, g)
     best = [[inf] * (n + 1) for _ in range(s + 1)]
     cut = [[0] * (n + 1) for _ in range(s + 1)]
     best[0][0] = 0.0
     for g in range(1, s + 1):
         for i in range(g, n - (s - g) + 1):
             for j in range(g - 1, i):
-                t = max(best[g - 1][j], (prefix[i] - prefix[j]) / capacity[g - 1])
+                if best[g - 1][j] == inf:
+                    continue
+                t = max(best[g - 1][j], cost(g - 1, j, i))
                 if t < best[g][i]:
                     best[g][i], cut[g][i] = t, j
+    if best[s][n] == inf:
+        return inf, []
     ranges: list[tuple[int, int]] = []
     i = n
     for g in range(s, 0, -1):
         j = cut[g][i]
         ranges.append((j, i))
         i = j
-    return ranges[::-1]
+    return best[s][n], ranges[::-1]
+
+
+def partition(
+    costs: Sequence[float], capacity: Sequence[float], fits: Fits | None = None
+) -> list[tuple[int, int]]:
+    """Contiguous layer ranges, one per group in order, minimising the slowest group's time.
+
+    A group's time is the cost of its layers divided by its capacity; every
+    group gets at least one layer. With `fits`, a range a group cannot hold is
+    never chosen, however fast it would be.
+
+    Raises:
+        RecoveryImpossible: No group survives, fewer layers than groups, or no
+            split passes `fits`.
+
+    """
+    n, s = len(costs), len(capacity)
+    _check_shape(n, s)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+
+    def time(g: int, j: int, i: int) -> float:
+        if fits is not None and not fits(g, j, i):
+            return inf
+        return (prefix[i] - prefix[j]) / capacity[g]
+
+    _, ranges = _minimax(n, s, time)
+    if not ranges:
+        raise RecoveryImpossible(f"no split of {n} layers over {s} groups fits their memory")
+    return ranges
+
+
+class _StageMemory:
+    """Each surviving device's peak for a layer range, in the re-planned pipeline's shape.
+
+    A device's samples are its share of a micro-batch and its stage's K_p is
+    that of the new plan (fewer stages, so fewer forwards in flight upstream),
+    exactly as the planner would predict for the same plan.
+    """
+
+    def __init__(self, plan: Plan, groups: list[list[Allocation]], memory: MemoryInputs) -> None:
+        shape = plan.model_copy(
+            update={
+                "stages": [
+                    StageSpec(start=g, end=g + 1, devices=devs) for g, devs in enumerate(groups)
+                ]
+            }
+        )
+        self.layers = memory.layers
+        self.members: list[list[tuple[DeviceId, int, int]]] = []
+        self.in_flight: list[int] = []
+        for g in range(len(groups)):
+            self.in_flight.append(shape.warmup(g))
+            self.members.append(
+                [(d, hi - lo, memory.budgets.get(d, 0)) for d, (lo, hi) in shape.ranges(g).items()]
+            )
+        self._short: dict[tuple[int, int, int], int] = {}
+
+    def needs(self, g: int, start: int, end: int) -> list[tuple[DeviceId, int, int]]:
+        """(device, budget, bytes needed) of every device of group `g` holding [start, end)."""
+        k = self.in_flight[g]
+        return [(d, b, self.layers.stage(start, end, n, k)) for d, n, b in self.members[g]]
+
+    def shortfall(self, g: int, start: int, end: int) -> int:
+        """Bytes the most overcommitted device of group `g` lacks for [start, end) (0: fits)."""
+        key = (g, start, end)
+        if key not in self._short:
+            over = (need - b for _, b, need in self.needs(g, start, end) if b > 0)
+            self._short[key] = max([0, *over])
+        return self._short[key]
+
+    def fits(self, g: int, start: int, end: int) -> bool:
+        """Whether every device of group `g` holds layers [start, end) within its budget."""
+        return self.shortfall(g, start, end) == 0
+
+    def require_a_split(self, n: int) -> None:
+        """Raise, naming layers, devices and bytes, unless some split fits every budget.
+
+        The split reported is the one whose worst device lacks the fewest bytes:
+        the least that would have to change for the survivors to go on.
+        """
+        short, ranges = _minimax(n, len(self.members), lambda g, j, i: self.shortfall(g, j, i))
+        if short == 0:
+            return
+        lines = [
+            f"layers [{lo}, {hi}): device {d} has {b} bytes, needs {need}"
+            for g, (lo, hi) in enumerate(ranges)
+            for d, b, need in self.needs(g, lo, hi)
+            if 0 < b < need
+        ]
+        raise RecoveryImpossible(
+            "survivors cannot hold "
+            + "; ".join(lines)
+            + " (the split closest to fitting; more memory or more devices are needed)"
+        )
 
 
 def survivors_plan(
@@ -64,11 +195,18 @@ def survivors_plan(
     lost: set[DeviceId],
     layer_costs: Sequence[float] | None = None,
     speeds: Mapping[DeviceId, float] | None = None,
+    memory: MemoryInputs | None = None,
 ) -> Plan:
     """`plan` without the `lost` devices, its partition points moved by capacity.
 
+    With `memory`, only splits where every survivor stays within its budget are
+    considered: training on with a stage that cannot be held would only fail
+    later, out of memory, on a device.
+
     Raises:
-        RecoveryImpossible: No device survives, or fewer layers than groups.
+        RecoveryImpossible: No device survives, fewer layers than groups, or
+            no split fits the survivors' memory (the message names the layers,
+            the devices and the bytes they would need).
 
     """
     groups = [[a for a in stage.devices if a.device not in lost] for stage in plan.stages]
@@ -79,18 +217,49 @@ def survivors_plan(
         raise RecoveryImpossible(f"{len(costs)} layer costs for a model of {layers} layers")
     speed = speeds or {}
     capacity = [sum(speed.get(a.device, 1.0) for a in g) for g in groups]
-    ranges = partition(costs, capacity)
+    stage_memory: _StageMemory | None = None
+    if memory is not None:
+        if memory.layers.num_layers != layers:
+            raise RecoveryImpossible(
+                f"memory counts for {memory.layers.num_layers} layers, model has {layers}"
+            )
+        _check_shape(layers, len(groups))
+        stage_memory = _StageMemory(plan, groups, memory)
+        stage_memory.require_a_split(layers)
+    ranges = partition(costs, capacity, stage_memory.fits if stage_memory else None)
     stages = [
         StageSpec(start=lo, end=hi, devices=g) for (lo, hi), g in zip(ranges, groups, strict=True)
     ]
+    peaks = {}
+    if stage_memory is not None:
+        peaks = {
+            str(d): need
+            for g, (lo, hi) in enumerate(ranges)
+            for d, _, need in stage_memory.needs(g, lo, hi)
+        }
     return plan.model_copy(
         update={
             "stages": stages,
             "planner": f"{plan.planner}+lightweight",
             "predicted_round_s": None,
-            "predicted_peak_bytes": {},
+            "predicted_peak_bytes": peaks,
         }
     )
+
+
+def memory_inputs(
+    cluster: ClusterSpec, profiles: Mapping[str, Profile], budgets: Mapping[DeviceId, int]
+) -> MemoryInputs | None:
+    """The model's per-layer bytes from any of the job's profiles, with `budgets`; None if none.
+
+    Byte counts describe the model, not the device, so the first profile found
+    serves for every device (as in the planner's cost model).
+    """
+    for device in cluster.devices:
+        profile = profiles.get(device.profile)
+        if profile is not None:
+            return MemoryInputs(LayerMemory.from_profile(profile), dict(budgets))
+    return None
 
 
 def capacities(

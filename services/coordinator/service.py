@@ -6,12 +6,12 @@ answered at once, everything else waits in the inbox) and a running job
 (`jobs.JobRun`) gathers the replies it needs with explicit timeouts, failing
 with a message that names the worker when one reports an error, is lost (its
 heartbeats stopped and it did not answer a probe) or hung (it heartbeats but
-makes no progress for longer than the watchdog).
+makes no progress for longer than the watchdog). Those decisions are the pure
+`core.apply`; `gather` is the loop that feeds it and carries out its commands.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections import deque
@@ -44,7 +44,6 @@ from common.messages import (
     ServiceHello,
     Shutdown,
     SubmitJob,
-    WorkerError,
 )
 from common.plan import Plan
 from common.profile import ClusterSpec
@@ -53,6 +52,21 @@ from common.settings import CoordinatorSettings
 from common.sockets import bind_router
 from common.store import OUTAGE, Store
 from services.coordinator.checks import check_job
+from services.coordinator.core import (
+    Beats,
+    Event,
+    Fail,
+    Heard,
+    Log,
+    Lost,
+    ProbeAnswer,
+    Reply,
+    SendProbe,
+    Tick,
+    Wait,
+    apply,
+    begin,
+)
 from services.coordinator.jobs import DeviceLost, JobCancelled, JobFailed, JobRun, JobSummary
 from services.coordinator.membership import (
     Members,
@@ -60,13 +74,11 @@ from services.coordinator.membership import (
     Rules,
     Verdict,
     admit,
-    check_liveness,
     dead,
     expired,
     forget,
-    hung,
+    heard,
     on_probe_reply,
-    probe_sent,
     watchdog_s,
 )
 
@@ -151,7 +163,10 @@ class Coordinator:
         )
         self.probes: Probes = {}
         """Probes sent to suspects and not answered yet."""
-        self._nonces = itertools.count(1)
+        self._next_nonce = 1
+        """The nonce of the next probe; never reused while this coordinator lives."""
+        self._wait: Wait | None = None
+        """The step's wait `gather` runs, if one does (probe answers are fed to it)."""
         self.assigned: frozenset[DeviceId] = frozenset()
         """Devices the running job's plan names: never forgotten nor capped while it runs."""
         self.heartbeat_counts = {v: 0 for v in Verdict} | {"expired": 0, "unrecorded": 0}
@@ -313,7 +328,14 @@ class Coordinator:
                 self.heartbeat_counts["unrecorded"] += 1
 
     def _probe_reply(self, msg: ProbeReply) -> None:
-        """A suspect answered: it is there, whatever became of its heartbeats."""
+        """A suspect answered: it is there, whatever became of its heartbeats.
+
+        During a step's wait the answer is the wait's to judge (`core.apply`);
+        between steps a probe still open from the last one is cleared here.
+        """
+        if self._wait is not None:
+            self._feed(ProbeAnswer(msg.device, msg.nonce))
+            return
         self.members, self.probes, counted = on_probe_reply(
             self.members, self.probes, msg.device, msg.nonce, time.monotonic()
         )
@@ -444,88 +466,79 @@ class Coordinator:
     ) -> dict[DeviceId, Any]:
         """Wait for one `kind` reply of (epoch, round) from each of `devices`.
 
-        A device whose heartbeats are overdue is probed; one that leaves the
-        probe unanswered is lost. With `watchdog_s`, a device that has not
-        replied and heartbeats without progress for that long is lost as hung.
+        The rules are `core.apply`'s; this loop only pumps the socket, feeds it
+        the membership, each inbox message and a tick, and carries out what it
+        returns. A device whose heartbeats are overdue is probed; one that
+        leaves the probe unanswered is lost. With `watchdog_s`, a device that
+        has not replied and heartbeats without progress for that long is lost
+        as hung.
 
         Raises:
             DeviceLost: Devices of `devices` are dead or hung (recovery may go on without them).
             JobFailed: A device reported an error, or the replies took over `timeout_s`.
 
         """
-        want = set(devices)
-        got: dict[DeviceId, Any] = {}
-        start = time.monotonic()
-        deadline = start + timeout_s
-        while len(got) < len(want):
-            self.pump(0.05)
-            for _ in range(len(self.inbox)):
-                peer, msg = self.inbox.popleft()
-                if isinstance(msg, WorkerError) and msg.epoch == epoch and peer in want:
-                    raise JobFailed(f"worker {peer} failed in round {msg.round}: {msg.error}")
-                if (
-                    isinstance(msg, kind)
-                    and peer in want
-                    and getattr(msg, "epoch", None) == epoch
-                    and getattr(msg, "round", None) == round_no
-                ):
-                    got[peer] = msg
-                else:
-                    log.debug("ignored stale reply", peer=peer, type=msg.type)
-            now = time.monotonic()
-            suspects = self._check_liveness(want, now, f"{kind.__name__} of round {round_no}")
-            if watchdog_s is not None:
-                waiting = [d for d in want if d not in got and d not in suspects]
-                if stuck := hung(self.members, now, waiting, watchdog_s, start):
-                    one = len(stuck) == 1
-                    who = f"worker {stuck[0]} heartbeats" if one else f"workers {stuck} heartbeat"
-                    raise DeviceLost(
-                        stuck,
-                        f"{who} but made no progress for {watchdog_s:g} s in round {round_no} "
-                        "(watchdog)",
-                    )
-            if now > deadline:
-                raise JobFailed(
-                    f"no {kind.__name__} of round {round_no} from {sorted(want - set(got))} "
-                    f"within {timeout_s:g} s"
-                )
-        return got
-
-    def _check_liveness(self, want: set[DeviceId], now: float, waited_for: str) -> set[DeviceId]:
-        """Probe new suspects among `want`; raise DeviceLost for those that did not answer.
-
-        Returns the suspects with a probe open (they are neither dead nor hung yet).
-        """
         s = self.settings
-        found = check_liveness(
-            self.members,
-            self.probes,
-            now,
-            want,
+        wait = begin(
+            kind,
+            devices,
+            epoch,
+            round_no,
+            time.monotonic(),
+            timeout_s,
             s.heartbeat_s * s.heartbeat_misses,
             s.probe_timeout_s,
+            watchdog_s,
+            self.members,
+            self.probes,
+            self._next_nonce,
         )
-        self.probes = found.probes
-        if found.dead:
-            silent = max(now - self.members[d].last_seen for d in found.dead)
-            self.probes = {d: p for d, p in self.probes.items() if d not in found.dead}
-            raise DeviceLost(
-                found.dead,
-                f"workers {found.dead} missed heartbeats for {silent:.1f} s and did not answer "
-                f"a probe within {s.probe_timeout_s:g} s while the coordinator waited for "
-                f"{waited_for}",
-            )
-        for d in found.probe:
-            nonce = next(self._nonces)
-            self.probes = probe_sent(self.members, self.probes, d, nonce, now)
-            log.warning(
-                "probing suspect",
-                device=d,
-                silent_s=round(self.probes[d].silent_s, 2),
-                nonce=nonce,
-            )
-            self.send(d, Probe(nonce=nonce))
-        return set(self.probes)
+        if wait.done:
+            return {}
+        self._wait = wait
+        try:
+            while True:
+                self.pump(0.05)  # a probe answer is fed to the wait here, as it arrives
+                self._feed(Beats(self.members))
+                # one at a time: what follows a verdict stays in the inbox, as it came
+                for _ in range(len(self.inbox)):
+                    if (got := self._feed(Reply(*self.inbox.popleft()))) is not None:
+                        return got
+                if (got := self._feed(Tick())) is not None:
+                    return got
+        finally:
+            self._wait = None
+
+    def _feed(self, event: Event) -> dict[DeviceId, Any] | None:
+        """Apply `event` to the running wait and carry out its commands; the replies once all came.
+
+        Probes and the nonce counter outlive the wait: a suspect probed in one
+        step may answer in the next, and pump answers it between steps.
+        """
+        if self._wait is None:  # no step waits: nothing to decide
+            return None
+        self._wait, commands = apply(self._wait, event, time.monotonic())
+        self.probes, self._next_nonce = self._wait.probes, self._wait.next_nonce
+        for cmd in commands:
+            if isinstance(cmd, SendProbe):
+                log.warning(
+                    "probing suspect",
+                    device=cmd.device,
+                    silent_s=round(cmd.silent_s, 2),
+                    nonce=cmd.nonce,
+                )
+                self.send(cmd.device, Probe(nonce=cmd.nonce))
+            elif isinstance(cmd, Heard):
+                self.members = heard(self.members, cmd.device, cmd.at)
+            elif isinstance(cmd, Log):
+                getattr(log, cmd.level)(cmd.event, **cmd.fields)
+            elif isinstance(cmd, Lost):
+                raise DeviceLost(cmd.devices, cmd.reason)
+            elif isinstance(cmd, Fail):
+                raise JobFailed(cmd.reason)
+            else:
+                return dict(cmd.replies)
+        return None
 
     def hung_watchdog_s(self, plan: Plan) -> float:
         """How long a device of `plan` may heartbeat without progress before it counts as hung."""

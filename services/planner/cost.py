@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from common.errors import ConfigError
+from common.memory_model import stage_bytes
 from common.plan import Plan
 from common.profile import ClusterSpec, Profile
 
@@ -101,12 +102,16 @@ class CostModel:
         """Peak bytes of a device running layers [start, end) (Asteroid's Eq. 3).
 
         Weights, gradients and optimizer state, plus the activations of
-        `in_flight` micro-batch shares of `samples` samples kept for backward.
+        `in_flight` micro-batch shares of `samples` samples kept for backward;
+        the formula lives in common so recovery checks survivors against it too.
         """
-        weights = self._params[end] - self._params[start]
-        optim = self._optim[end] - self._optim[start]
-        acts = (self._act[end] - self._act[start]) * samples * in_flight
-        return 2 * weights + optim + acts
+        return stage_bytes(
+            self._params[end] - self._params[start],
+            self._optim[end] - self._optim[start],
+            self._act[end] - self._act[start],
+            samples,
+            in_flight,
+        )
 
     def plan_memory(self, plan: Plan) -> dict[str, int]:
         """Predicted peak bytes of every device of `plan`."""

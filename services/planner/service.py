@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp
 
 from common.codec import Limits, encode, recv_message
-from common.curve import COORDINATOR, CurveKeys, load_keys
+from common.curve import service_keys
 from common.errors import AsteroidError, ConfigError, ProtocolError
 from common.exit_codes import ExitCode
 from common.logging import configure_logging, get_logger
@@ -65,33 +65,6 @@ def make_plan(store: Store, req: PlanRequest) -> Plan:
     return plan
 
 
-def _load_curve(settings: CommonSettings) -> tuple[CurveKeys | None, bytes | None]:
-    """The planner's pair and the coordinator's public key; (None, None) without `--keys`.
-
-    Raises:
-        ConfigError: A file is missing or unreadable; says which and how to make it.
-
-    """
-    root = settings.keys
-    try:
-        keys = load_keys(root, "service", IDENTITY)  # its error names the file and the command
-        if keys is None:
-            return None, None
-        try:
-            return keys, keys.server_key("coordinator", COORDINATOR)
-        except ConfigError as exc:
-            # made with the set by `asteroid keys init`; a new one here would not match
-            raise ConfigError(
-                f"{exc} (copy it from the key set `asteroid keys init` made: every device "
-                "needs the set's public files)"
-            ) from exc
-    except (OSError, ValueError) as exc:  # an unreadable directory or file, a corrupt key
-        raise ConfigError(
-            f"cannot read the CURVE key set {root}: {exc} (it must be a readable directory "
-            f"made by `asteroid keys init {root} --service {IDENTITY}`)"
-        ) from exc
-
-
 class PlannerService:
     """The planner's control-plane loop."""
 
@@ -105,7 +78,9 @@ class PlannerService:
         """
         self.settings = settings
         self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
-        keys, server_key = _load_curve(settings)  # before anything that needs closing
+        keys, server_key = service_keys(
+            settings.keys, IDENTITY
+        )  # before anything that needs closing
         self.ctx: zmq.Context[Any] = zmq.Context()
         try:
             self.sock = connect_dealer(

@@ -27,9 +27,9 @@ import torch
 import zmq
 
 from common.codec import Limits, encode, recv_message
-from common.curve import COORDINATOR, CurveKeys, load_keys
+from common.curve import service_keys
 from common.device import device_fingerprint, memory_budget
-from common.errors import AsteroidError, ConfigError, ProtocolError
+from common.errors import AsteroidError, ProtocolError
 from common.logging import get_logger
 from common.messages import ProfileReply, ProfileRequest, ServiceHello
 from common.model_key import model_key
@@ -75,33 +75,6 @@ def _error(req: ProfileRequest, error: str) -> ProfileReply:
     return ProfileReply(job_id=req.job_id, fingerprint=req.fingerprint, ok=False, error=error)
 
 
-def _load_curve(settings: ProfilerSettings) -> tuple[CurveKeys | None, bytes | None]:
-    """The one service pair in `--keys` and the coordinator's public key; (None, None) without.
-
-    Raises:
-        ConfigError: A file is missing or unreadable; says which and how to make it.
-
-    """
-    root = settings.keys
-    try:
-        keys = load_keys(root, "service")  # its error names the folder and the command
-        if keys is None:
-            return None, None
-        try:
-            return keys, keys.server_key("coordinator", COORDINATOR)
-        except ConfigError as exc:
-            # made with the set by `asteroid keys init`; a new one here would not match
-            raise ConfigError(
-                f"{exc} (copy it from the key set `asteroid keys init` made: every device "
-                "needs the set's public files)"
-            ) from exc
-    except (OSError, ValueError) as exc:  # an unreadable directory or file, a corrupt key
-        raise ConfigError(
-            f"cannot read the CURVE key set {root}: {exc} (it must be a readable directory "
-            f"made by `asteroid keys init {root} --service NAME`)"
-        ) from exc
-
-
 class _Stopped(BaseException):
     """Ends a measurement when the service stops: control flow, not an error to report."""
 
@@ -120,7 +93,7 @@ class ProfilerService:
         self.settings = settings
         # with keys: the one service secret in the key dir, one session of it per process;
         # loaded before anything that needs closing
-        keys, server_key = _load_curve(settings)
+        keys, server_key = service_keys(settings.keys)
         self.identity = f"{keys.name}/{service_identity()}" if keys else service_identity()
         self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
         self.ctx: zmq.Context[Any] = zmq.Context()

@@ -10,11 +10,14 @@ import pytest
 from common.ids import DeviceId
 from common.ledger import effective_rounds, rollback_entry, round_entry
 from common.lifecycle import advance
-from common.plan import Plan
+from common.memory_model import LayerMemory, stage_bytes
+from common.plan import Allocation, Plan, StageSpec
 from common.profile import ClusterSpec, DeviceSpec, LayerProfile, Profile
 from services.coordinator.recovery import (
+    MemoryInputs,
     RecoveryImpossible,
     capacities,
+    memory_inputs,
     partition,
     survivors_plan,
 )
@@ -158,3 +161,125 @@ def test_recovering_is_a_state_between_running_and_running():
     assert advance("recovering", "failed") == "failed"
     with pytest.raises(Exception, match="a recovering job cannot become finished"):
         advance("recovering", "finished")
+
+
+# --- memory ----------------------------------------------------------------------------
+
+
+def bytes_per_layer(params: int, activations: int = 0, layers: int = 4) -> LayerMemory:
+    """Equal layers: `params` bytes of weights and `activations` bytes per sample each."""
+    return LayerMemory.of([params] * layers, [0] * layers, [activations] * layers)
+
+
+def test_partition_never_chooses_a_range_that_does_not_fit():
+    # the fastest split is (0, 2), (2, 4); group 0 may hold one layer at most
+    assert partition([1.0] * 4, [1.0, 1.0]) == [(0, 2), (2, 4)]
+    assert partition([1.0] * 4, [1.0, 1.0], lambda g, lo, hi: g > 0 or hi - lo <= 1) == [
+        (0, 1),
+        (1, 4),
+    ]
+    with pytest.raises(RecoveryImpossible, match="no split of 4 layers over 2 groups fits"):
+        partition([1.0] * 4, [1.0, 1.0], lambda g, lo, hi: False)
+
+
+def test_a_split_that_fits_is_chosen_over_a_faster_one_that_does_not():
+    plan = plan_of((0, 1, ["a"]), (1, 2, ["b"]), (2, 4, ["c"]))
+    assert [(st.start, st.end) for st in survivors_plan(plan, {DeviceId("b")}).stages] == [
+        (0, 2),
+        (2, 4),
+    ]
+    # 8 samples a micro-batch. Two stages remain, so stage 0 keeps K_p = 3 forwards in
+    # flight (not the old three-stage plan's 4): one layer needs 2 x 10 + 1 x 8 x 3 = 44
+    # bytes there, two layers 88; stage 1 (K_p = 1) with three layers needs 60 + 24 = 84.
+    memory = MemoryInputs(bytes_per_layer(10, 1), {DeviceId("a"): 44, DeviceId("c"): 84})
+    new = survivors_plan(plan, {DeviceId("b")}, memory=memory)
+    assert [(st.start, st.end) for st in new.stages] == [(0, 1), (1, 4)]
+    assert new.predicted_peak_bytes == {"a": 44, "c": 84}
+    new.validate_for(4)
+
+
+def test_each_device_of_a_group_is_checked_with_its_share_of_the_samples():
+    plan = plan_of((0, 2, ["a"]), (2, 3, ["b"]), (3, 4, ["c", "d"]))
+    plan = plan.model_copy(
+        update={
+            "stages": [
+                plan.stages[0],
+                plan.stages[1],
+                StageSpec(
+                    start=3,
+                    end=4,
+                    devices=[Allocation(device=DeviceId("c"), share=3), Allocation(device="d")],
+                ),
+            ]
+        }
+    )
+    # c gets 6 of the 8 samples, d 2; at K_p = 1 two layers cost c 2 x (2 x 0 + 6 x 5) = 60
+    # and d 20; one layer costs c 30. a (K_p = 3) holds three layers in 3 x 8 x 5 = 360.
+    memory = MemoryInputs(bytes_per_layer(0, 5), {DeviceId("c"): 59, DeviceId("d"): 20})
+    new = survivors_plan(plan, {DeviceId("b")}, memory=memory)
+    assert [(st.start, st.end) for st in new.stages] == [(0, 3), (3, 4)]
+    assert new.predicted_peak_bytes == {"a": 360, "c": 30, "d": 10}
+
+
+def test_when_nothing_fits_the_message_names_the_layers_and_the_bytes():
+    plan = plan_of((0, 1, ["a"]), (1, 2, ["b"]), (2, 4, ["c"]))
+    # 4 layers of 20 bytes each (weights and gradients) on 30 + 30 bytes: closest is 2 + 2
+    memory = MemoryInputs(bytes_per_layer(10), {DeviceId("a"): 30, DeviceId("c"): 30})
+    with pytest.raises(RecoveryImpossible) as info:
+        survivors_plan(plan, {DeviceId("b")}, memory=memory)
+    message = str(info.value)
+    assert message.startswith(
+        "survivors cannot hold layers [0, 2): device a has 30 bytes, needs 40; "
+        "layers [2, 4): device c has 30 bytes, needs 40"
+    )
+    # only what does not fit is named: a holds three layers, c cannot hold even one
+    memory = MemoryInputs(bytes_per_layer(10), {DeviceId("a"): 100, DeviceId("c"): 15})
+    with pytest.raises(RecoveryImpossible) as info:
+        survivors_plan(plan, {DeviceId("b")}, memory=memory)
+    message = str(info.value)
+    assert message.startswith(
+        "survivors cannot hold layers [3, 4): device c has 15 bytes, needs 20"
+    )
+    assert "device a" not in message
+
+
+def test_a_budget_of_zero_or_none_is_unlimited():
+    plan = plan_of((0, 1, ["a"]), (1, 2, ["b"]), (2, 4, ["c"]))
+    huge = MemoryInputs(bytes_per_layer(1 << 40), {DeviceId("a"): 0})
+    new = survivors_plan(plan, {DeviceId("b")}, memory=huge)
+    assert new.stages == survivors_plan(plan, {DeviceId("b")}).stages
+    assert new.predicted_peak_bytes == {"a": 4 << 40, "c": 4 << 40}
+
+
+def test_memory_counts_must_describe_the_model():
+    plan = plan_of((0, 2, ["a"]), (2, 4, ["b"]))
+    with pytest.raises(RecoveryImpossible, match="memory counts for 3 layers, model has 4"):
+        survivors_plan(plan, set(), memory=MemoryInputs(bytes_per_layer(1, layers=3)))
+
+
+def test_memory_inputs_come_from_any_profile_of_the_model():
+    layers = [
+        LayerProfile(
+            index=i,
+            forward_s=[1.0],
+            backward_s=[1.0],
+            output_bytes=1,
+            activation_bytes=3,
+            param_bytes=5 + i,
+            optimizer_bytes=7,
+        )
+        for i in range(2)
+    ]
+    profile = Profile(model="m", device="p", batch_sizes=[8], layers=layers)
+    cluster = ClusterSpec(
+        devices=[
+            DeviceSpec(name="unprofiled", memory_bytes=1, profile="q"),
+            DeviceSpec(name="profiled", memory_bytes=1, profile="p"),
+        ]
+    )
+    assert memory_inputs(cluster, {}, {}) is None
+    memory = memory_inputs(cluster, {"p": profile}, {DeviceId("x"): 9})
+    assert memory is not None and memory.budgets == {"x": 9}
+    # 2 x (5 + 6) weights and gradients + 2 x 7 optimizer + 2 x 3 x 4 samples x 2 in flight
+    assert memory.layers.stage(0, 2, 4, 2) == 22 + 14 + 48
+    assert memory.layers.stage(1, 2, 4, 2) == stage_bytes(6, 7, 3, 4, 2) == 12 + 7 + 24

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import statistics
 import threading
 import time
 from datetime import datetime
@@ -122,13 +121,16 @@ def test_a_stopped_worker_is_probed_then_declared_lost(cluster, store):
     cluster.wait_workers_exit(names=["a", "b"])
 
 
-def _throttle(pid: int, stop: threading.Event, run_s: float = 0.1, pause_s: float = 0.2) -> None:
+def _throttle(
+    pid: int, stop: threading.Event, cycles: list[int], run_s: float = 0.1, pause_s: float = 0.2
+) -> None:
     """Let process group `pid` run a third of the time, as a CPU quota of 1/3 core would."""
     while not stop.is_set():
         os.killpg(pid, signal.SIGSTOP)
         time.sleep(pause_s)
         os.killpg(pid, signal.SIGCONT)
         time.sleep(run_s)
+        cycles.append(1)
 
 
 def test_a_throttled_straggler_that_heartbeats_and_progresses_is_not_failed(cluster, store):
@@ -140,7 +142,8 @@ def test_a_throttled_straggler_that_heartbeats_and_progresses_is_not_failed(clus
     _wait_round(store, cluster, "slow", FREE_ROUNDS)
     b = cluster.procs["b"]
     stop = threading.Event()
-    throttle = threading.Thread(target=_throttle, args=(b.pid, stop), daemon=True)
+    cycles: list[int] = []
+    throttle = threading.Thread(target=_throttle, args=(b.pid, stop, cycles), daemon=True)
     throttle.start()
     try:
         code = cluster.wait("coordinator", 120)
@@ -150,11 +153,11 @@ def test_a_throttled_straggler_that_heartbeats_and_progresses_is_not_failed(clus
         os.killpg(b.pid, signal.SIGCONT)
     assert code == ExitCode.OK, cluster.log("coordinator")
     assert store.get_fields("job", "slow")["state"] == "finished"
-    round_s = [float(m["round_s"]) for m in store.read("metrics", "slow") if "round_s" in m]
-    assert len(round_s) == ROUNDS
-    free = statistics.median(round_s[1:FREE_ROUNDS])
-    slow = statistics.median(round_s[FREE_ROUNDS + 1 :])
-    assert slow > 2 * free, round_s  # b really was a straggler
+    rounds = [m for m in store.read("metrics", "slow") if "round_s" in m]
+    assert len(rounds) == ROUNDS
+    # b really was a straggler: stopped for 0.2 s of every 0.3 s, many times over
+    # (how much slower its rounds got is a benchmark's business, not a test's)
+    assert len(cycles) >= 10, len(cycles)
     cluster.wait_workers_exit(names=["a", "b"])
 
 

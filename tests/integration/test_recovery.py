@@ -76,15 +76,16 @@ def _check_run(
     cluster: LocalCluster,
     store: Store,
     jid: str,
-    victim: str,
+    victims: list[str],
     reference: tuple[dict[str, Any], list[float]],
-) -> dict[str, Any]:
-    """The job ended well on the survivors; returns its recovery event."""
+) -> list[dict[str, Any]]:
+    """The job ended well on the survivors; returns its recovery events."""
     code = cluster.wait("coordinator", 200)
     assert code == ExitCode.OK, cluster.log_tail("coordinator", 60)
-    survivors = [w for w in WORKERS if w != victim]
+    survivors = [w for w in WORKERS if w not in victims]
     cluster.wait_workers_exit(names=survivors)
-    assert cluster.procs[victim].wait(timeout=10) == -9  # killed, never restarted
+    for victim in victims:
+        assert cluster.procs[victim].wait(timeout=10) == -9  # killed, never restarted
     for name in survivors:  # each ran from start to end in one process
         starts = [e for e in cluster.log_events(name) if e.get("event") == "worker started"]
         assert len(starts) == 1, name
@@ -100,9 +101,9 @@ def _check_run(
     losses = [metrics[(e["round"], e["epoch"])]["loss"] for e in ledger]
     assert_losses_match(losses, ref_losses)
     events = [e for e in store.read("events", jid) if e["event"] == "recovered"]
-    assert len(events) == 1 and events[0]["lost"] == [victim], events
-    assert all(victim not in devs for _, _, devs in events[0]["stages"])
-    return events[0]
+    assert sorted(d for e in events for d in e["lost"]) == sorted(victims), events
+    assert all(v not in devs for v in victims for _, _, devs in events[-1]["stages"])
+    return events
 
 
 @pytest.mark.parametrize(
@@ -132,9 +133,10 @@ def test_a_lost_device_is_recovered_exactly(
     try:
         _start(cluster, {victim: fail_at})
         cluster.start_coordinator(_job("ft"), PLAN)
-        event = _check_run(cluster, store, "ft", victim, reference)
+        events = _check_run(cluster, store, "ft", [victim], reference)
     finally:
         cluster.close()
+    (event,) = events
     # every stage resumed from the newest checkpoint (every 2 rounds) before the failure
     assert (event["from_round"], event["replayed"]) == (from_round, replayed), event
 
@@ -154,9 +156,24 @@ def test_a_device_killed_at_a_random_moment_is_recovered_exactly(
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.5))
         cluster.procs[victim].kill()
-        _check_run(cluster, store, "ft-random", victim, reference)
+        _check_run(cluster, store, "ft-random", [victim], reference)
     finally:
         cluster.close()
+
+
+def test_two_devices_lost_in_one_round_are_recovered_exactly(
+    tmp_path: Path, redis_url, cluster_name, budget, store, reference
+):
+    # d steps its optimizer for round 3 and dies; b, which still had d's gradients, does
+    # the same: two stages lose a device in one round, after both had stepped for it
+    cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
+    try:
+        _start(cluster, {"b": "3:step", "d": "3:step"})
+        cluster.start_coordinator(_job("ft-two"), PLAN)
+        events = _check_run(cluster, store, "ft-two", ["b", "d"], reference)
+    finally:
+        cluster.close()
+    assert events[0]["from_round"] == 2 and events[-1]["stages"] == [[0, 3, ["a"]], [3, 7, ["c"]]]
 
 
 def test_without_a_checkpoint_to_resume_from_the_job_fails_naming_it(

@@ -15,7 +15,6 @@ import hashlib
 import re
 import secrets
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from redis.retry import Retry
 
 from common.checkpoint import latest_round, load_full_state
 from common.codec import Limits, encode, recv_message
-from common.embedded_redis import redis_server_binary
+from common.embedded_redis import redis_server_binary, wait_until_answers
 from common.errors import ProtocolError
 from common.job import JobSpec
 from common.messages import PROTOCOL_VERSION, Assign
@@ -142,18 +141,11 @@ def acl_users(passwords: dict[str, str]) -> str:
 
 def _wait_ready(server: AclRedis, proc: subprocess.Popen[bytes], log: Path) -> None:
     client = server.client("admin")
-    deadline = time.monotonic() + START_TIMEOUT_S
     try:
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"redis-server with {ACL_FILE.name} did not start:\n{log.read_text()}"
-                    ) from None
-                time.sleep(0.05)
+        if not wait_until_answers(client, proc, START_TIMEOUT_S):
+            raise AssertionError(
+                f"redis-server with {ACL_FILE.name} did not start:\n{log.read_text()}"
+            )
     finally:
         client.close()
 

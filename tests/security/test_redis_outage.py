@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from common.checkpoint import load_full_state
-from common.embedded_redis import redis_server_binary
+from common.embedded_redis import redis_server_binary, wait_until_answers
 from common.messages import SubmitJob
 from common.store import Store
 from services.cli.client import ask_coordinator
@@ -68,18 +68,10 @@ class KillableRedis:
         self.proc = subprocess.Popen([redis_server_binary(), *args], stdout=log, stderr=log)
         log.close()
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
-        deadline = time.monotonic() + timeout_s
         try:
-            while True:
-                try:
-                    client.ping()
-                    return
-                except redis.ConnectionError:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise AssertionError(
-                            f"redis-server did not start on port {self.port}"
-                        ) from None
-                    time.sleep(0.05)
+            assert wait_until_answers(client, self.proc, timeout_s), (
+                f"redis-server did not start on port {self.port}"
+            )
         finally:
             client.close()
 

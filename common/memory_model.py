@@ -1,0 +1,79 @@
+"""Peak memory of a pipeline stage on one device (Asteroid's Eq. 3), shared by every service.
+
+The planner sizes stages with it and the coordinator checks a re-planned
+pipeline against the survivors' budgets with it; one formula in one place
+keeps the two from disagreeing about what fits. Per-layer byte counts come
+from a profile: they describe the model, not the device, so any profile of
+the job's model serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from common.errors import ConfigError
+from common.profile import Profile
+
+__all__ = ["LayerMemory", "stage_bytes"]
+
+
+def stage_bytes(
+    param_bytes: int, optimizer_bytes: int, activation_bytes: int, samples: int, in_flight: int
+) -> int:
+    """Peak bytes of a device holding a layer range whose byte counts are given.
+
+    Weights and their gradients (twice the parameter bytes) and the optimizer
+    state stay resident; the per-sample activations are kept for backward for
+    each of the `in_flight` micro-batch shares of `samples` samples.
+    """
+    return 2 * param_bytes + optimizer_bytes + activation_bytes * samples * in_flight
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Per-layer byte counts as prefix sums, so a layer range's peak is an O(1) lookup."""
+
+    params: tuple[int, ...]
+    optimizer: tuple[int, ...]
+    activations: tuple[int, ...]
+
+    @classmethod
+    def of(
+        cls, params: Sequence[int], optimizer: Sequence[int], activations: Sequence[int]
+    ) -> LayerMemory:
+        """From per-layer parameter, optimizer and per-sample activation bytes."""
+        if not len(params) == len(optimizer) == len(activations):
+            raise ConfigError(
+                f"byte counts for {len(params)}, {len(optimizer)} and {len(activations)} layers"
+            )
+        return cls(
+            params=(0, *accumulate(params)),
+            optimizer=(0, *accumulate(optimizer)),
+            activations=(0, *accumulate(activations)),
+        )
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> LayerMemory:
+        """The byte counts a profile measured for each layer."""
+        return cls.of(
+            [lp.param_bytes for lp in profile.layers],
+            [lp.optimizer_bytes for lp in profile.layers],
+            [lp.activation_bytes for lp in profile.layers],
+        )
+
+    @property
+    def num_layers(self) -> int:
+        """How many layers the counts describe."""
+        return len(self.params) - 1
+
+    def stage(self, start: int, end: int, samples: int, in_flight: int) -> int:
+        """Peak bytes of a device running layers [start, end) (see `stage_bytes`)."""
+        return stage_bytes(
+            self.params[end] - self.params[start],
+            self.optimizer[end] - self.optimizer[start],
+            self.activations[end] - self.activations[start],
+            samples,
+            in_flight,
+        )

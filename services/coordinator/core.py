@@ -1,0 +1,309 @@
+"""The wait for one step's replies as a pure function: `apply(wait, event, now)`.
+
+A job step sends a command to the devices of its plan and waits for one reply
+of the current (epoch, round) from each. What the coordinator does meanwhile
+(take a matching reply, ignore a stale one, fail on a worker's error, probe a
+suspect, declare the silent or the hung lost, give up at the deadline) is
+decided here, from the state of the wait and one event at a time, and returned
+as commands. The shell (`Coordinator.gather`) owns the socket and the clock:
+it feeds what arrived and a `Tick` now and then, and carries the commands out.
+So every rule is tested with scripted events on a fake clock, without sockets.
+
+A wait ends with exactly one of `Complete`, `Fail` or `Lost`; a finished wait
+ignores every later event, so a reply or a probe answer that arrives after the
+verdict changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from common.ids import DeviceId
+from common.messages import Message, WorkerError
+from services.coordinator.membership import (
+    Members,
+    Probes,
+    check_liveness,
+    heard,
+    hung,
+    probe_sent,
+)
+
+__all__ = [
+    "Beats",
+    "Command",
+    "Complete",
+    "Event",
+    "Fail",
+    "Heard",
+    "Log",
+    "Lost",
+    "ProbeAnswer",
+    "Reply",
+    "SendProbe",
+    "Tick",
+    "Wait",
+    "apply",
+    "begin",
+]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The state of one wait: what is wanted, what arrived, and the probes still open."""
+
+    kind: type[Message]
+    """The reply wanted (RoundDone, Assigned, ...)."""
+    want: frozenset[DeviceId]
+    epoch: int
+    round_no: int
+    started: float
+    timeout_s: float
+    heartbeat_deadline_s: float
+    """Silence longer than this (heartbeat interval times misses) makes a suspect."""
+    probe_timeout_s: float
+    """A probe unanswered for longer than this makes its suspect dead."""
+    watchdog_s: float | None = None
+    """Standing still for longer than this makes a device hung; None: no watchdog."""
+    members: Members = field(default_factory=dict)
+    """The latest heartbeats of every known device (a snapshot from the shell)."""
+    probes: Probes = field(default_factory=dict)
+    """Probes sent and not answered yet; they outlive the wait (the shell keeps them)."""
+    next_nonce: int = 1
+    """The nonce of the next probe: a counter in the state keeps `apply` pure."""
+    got: Mapping[DeviceId, Message] = field(default_factory=dict)
+    done: bool = False
+    """A verdict was returned: later events change nothing."""
+
+    @property
+    def deadline(self) -> float:
+        """When the wait fails if replies are still missing."""
+        return self.started + self.timeout_s
+
+    @property
+    def waited_for(self) -> str:
+        """What the wait is for, as error messages name it."""
+        return f"{self.kind.__name__} of round {self.round_no}"
+
+
+# --- events -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A message from `device` that reached the inbox (a reply, stale or not, or an error)."""
+
+    device: DeviceId
+    msg: Message
+
+
+@dataclass(frozen=True)
+class Beats:
+    """The devices' heartbeats as the shell now knows them (its membership snapshot)."""
+
+    members: Members
+
+
+@dataclass(frozen=True)
+class ProbeAnswer:
+    """`device` answered probe `nonce`."""
+
+    device: DeviceId
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed: check liveness, the watchdog and the deadline."""
+
+
+Event = Reply | Beats | ProbeAnswer | Tick
+
+
+# --- commands -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendProbe:
+    """Send Probe `nonce` to `device`, silent for `silent_s` when it became a suspect."""
+
+    device: DeviceId
+    nonce: int
+    silent_s: float
+
+
+@dataclass(frozen=True)
+class Heard:
+    """`device` answered its probe at `at`: the membership counts that as hearing from it."""
+
+    device: DeviceId
+    at: float
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Verdict: `devices` are dead or hung; recovery may go on without them."""
+
+    devices: list[DeviceId]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Verdict: the step failed (a worker's error, or the replies took too long)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Complete:
+    """Verdict: every wanted device replied."""
+
+    replies: dict[DeviceId, Message]
+
+
+@dataclass(frozen=True)
+class Log:
+    """A line for the log: what was decided and why, with its fields."""
+
+    level: Literal["debug", "info", "warning"]
+    event: str
+    fields: Mapping[str, object] = field(default_factory=dict)
+
+
+Command = SendProbe | Heard | Lost | Fail | Complete | Log
+
+
+def begin(
+    kind: type[Message],
+    devices: list[DeviceId],
+    epoch: int,
+    round_no: int,
+    now: float,
+    timeout_s: float,
+    heartbeat_deadline_s: float,
+    probe_timeout_s: float,
+    watchdog_s: float | None = None,
+    members: Members | None = None,
+    probes: Probes | None = None,
+    next_nonce: int = 1,
+) -> Wait:
+    """A wait for one `kind` reply of (epoch, round_no) from each of `devices`, from `now`.
+
+    `probes` and `next_nonce` carry over from earlier waits: a suspect probed in
+    the last step may answer in this one, and a nonce is never reused.
+    """
+    return Wait(
+        kind=kind,
+        want=frozenset(devices),
+        epoch=epoch,
+        round_no=round_no,
+        started=now,
+        timeout_s=timeout_s,
+        heartbeat_deadline_s=heartbeat_deadline_s,
+        probe_timeout_s=probe_timeout_s,
+        watchdog_s=watchdog_s,
+        members=dict(members or {}),
+        probes=dict(probes or {}),
+        next_nonce=next_nonce,
+        done=not devices,
+    )
+
+
+def apply(wait: Wait, event: Event, now: float) -> tuple[Wait, list[Command]]:
+    """The wait after `event` at time `now`, and what the shell must do about it."""
+    if wait.done:
+        return wait, []
+    if isinstance(event, Reply):
+        return _on_reply(wait, event)
+    if isinstance(event, Beats):
+        return replace(wait, members=dict(event.members)), []
+    if isinstance(event, ProbeAnswer):
+        return _on_probe_answer(wait, event, now)
+    return _on_tick(wait, now)
+
+
+def _on_reply(wait: Wait, event: Reply) -> tuple[Wait, list[Command]]:
+    """Take a reply of this step, fail on an error of this epoch, ignore anything else."""
+    peer, msg = event.device, event.msg
+    if isinstance(msg, WorkerError) and msg.epoch == wait.epoch and peer in wait.want:
+        reason = f"worker {peer} failed in round {msg.round}: {msg.error}"
+        return replace(wait, done=True), [Fail(reason)]
+    if (
+        isinstance(msg, wait.kind)
+        and peer in wait.want
+        and getattr(msg, "epoch", None) == wait.epoch
+        and getattr(msg, "round", None) == wait.round_no
+    ):
+        got = {**wait.got, peer: msg}
+        if len(got) == len(wait.want):
+            return replace(wait, got=got, done=True), [Complete(got)]
+        return replace(wait, got=got), []
+    # an old epoch's or round's reply (a late RoundDone after a recovery), or not ours
+    return wait, [Log("debug", "ignored stale reply", {"peer": peer, "type": msg.type})]
+
+
+def _on_probe_answer(wait: Wait, event: ProbeAnswer, now: float) -> tuple[Wait, list[Command]]:
+    """An answer to the open probe clears the suspect; any other answer changes nothing."""
+    open_ = wait.probes.get(event.device)
+    if open_ is None or open_.nonce != event.nonce or event.device not in wait.members:
+        # late (the device was declared dead meanwhile) or stale
+        why = {"device": event.device, "nonce": event.nonce}
+        return wait, [Log("info", "ignored a probe answer nobody waits for", why)]
+    probes = {d: p for d, p in wait.probes.items() if d != event.device}
+    members = heard(wait.members, event.device, now)
+    return replace(wait, probes=probes, members=members), [
+        Heard(event.device, now),
+        Log("info", "suspect answered the probe", {"device": event.device}),
+    ]
+
+
+def _on_tick(wait: Wait, now: float) -> tuple[Wait, list[Command]]:
+    """Probe new suspects; then the dead, the hung and the deadline, in that order.
+
+    Devices that fail at the same check fail together: one `Lost` names them
+    all, so the job recovers once without all of them rather than once per
+    device. The dead are reported before the hung (a device found hung in the
+    same tick is found again in the next step's wait, after recovery).
+    """
+    found = check_liveness(
+        wait.members,
+        wait.probes,
+        now,
+        wait.want,
+        wait.heartbeat_deadline_s,
+        wait.probe_timeout_s,
+    )
+    if found.dead:
+        silent = max(now - wait.members[d].last_seen for d in found.dead)
+        probes = {d: p for d, p in found.probes.items() if d not in found.dead}
+        reason = (
+            f"workers {found.dead} missed heartbeats for {silent:.1f} s and did not answer "
+            f"a probe within {wait.probe_timeout_s:g} s while the coordinator waited for "
+            f"{wait.waited_for}"
+        )
+        return replace(wait, probes=probes, done=True), [Lost(found.dead, reason)]
+    probes, nonce = found.probes, wait.next_nonce
+    commands: list[Command] = []
+    for d in found.probe:
+        probes = probe_sent(wait.members, probes, d, nonce, now)
+        commands.append(SendProbe(d, nonce, probes[d].silent_s))
+        nonce += 1
+    wait = replace(wait, probes=probes, next_nonce=nonce)
+    if wait.watchdog_s is not None:
+        waiting = [d for d in wait.want if d not in wait.got and d not in probes]
+        if stuck := hung(wait.members, now, waiting, wait.watchdog_s, wait.started):
+            one = len(stuck) == 1
+            who = f"worker {stuck[0]} heartbeats" if one else f"workers {stuck} heartbeat"
+            reason = (
+                f"{who} but made no progress for {wait.watchdog_s:g} s in round "
+                f"{wait.round_no} (watchdog)"
+            )
+            return replace(wait, done=True), [*commands, Lost(stuck, reason)]
+    if now > wait.deadline:
+        missing = sorted(wait.want - set(wait.got))
+        reason = f"no {wait.waited_for} from {missing} within {wait.timeout_s:g} s"
+        return replace(wait, done=True), [*commands, Fail(reason)]
+    return wait, commands

@@ -9,6 +9,7 @@ processes); `status` shows every testbed found. Exit codes:
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -108,8 +109,9 @@ def up(
                 f"coordinator {tb.coordinator}, Redis {tb.redis_url}\n"
                 f"submit with: ASTEROID_COORDINATOR={tb.coordinator} "
                 f"ASTEROID_REDIS_URL={tb.redis_url} ASTEROID_CLUSTER={tb.cluster} "
-                "asteroid train JOB.yaml"
+                f"ASTEROID_KEYS={tb.keys} asteroid train JOB.yaml"
             )
+            os.environ["ASTEROID_KEYS"] = str(tb.keys)  # --job is submitted as its operator
             if job_spec is not None:
                 view = submit_and_follow(
                     tb.coordinator, tb.redis_url, tb.cluster, job_spec, console

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from common.curve import FOLDERS, create_key_set
 from common.embedded_redis import EmbeddedRedis
 from common.errors import AsteroidError, ConfigError
 from common.logging import get_logger
@@ -245,14 +247,35 @@ class Testbed:
             raise KeyboardInterrupt("the testbed was asked to stop")
 
     def env(self) -> dict[str, str]:
-        """The environment every service of the testbed gets."""
-        return service_env(
+        """The environment every service of the testbed gets (with the testbed's key set)."""
+        env = service_env(
             self.redis_url, self.cluster, self.coordinator, self.heartbeat_s, self.threads
         )
+        return {**env, "ASTEROID_KEYS": str(self.keys)}
+
+    @property
+    def keys(self) -> Path:
+        """The CURVE key set of the testbed's services and its operator.
+
+        The coordinator binds the bridge, beyond loopback, and refuses to without
+        one; operators (the CLI, tests, benches) set ASTEROID_KEYS to it to submit.
+        """
+        return self.log_dir / "keys"
+
+    def profiler_keys(self) -> Path:
+        """The set as a profiler sees it: its folder's only service secret is "profiler"."""
+        return self.log_dir / "keys-profiler"
+
+    def _make_keys(self) -> None:
+        create_key_set(self.keys, self.devices, ["planner", "profiler"], ["operator"])
+        shutil.rmtree(self.profiler_keys(), ignore_errors=True)
+        shutil.copytree(self.keys, self.profiler_keys())
+        (self.profiler_keys() / FOLDERS["service"] / "planner.key_secret").unlink()
 
     def start_services(self) -> None:
         """Redis, coordinator and planner on the host side; a worker and a profiler per device."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._make_keys()
         self._redis = EmbeddedRedis(host=self.bridge).__enter__()
         self._coordinator = f"tcp://{self.bridge}:{_free_port(self.bridge)}"
         spec_file = self.log_dir / "cluster-spec.yaml"
@@ -270,6 +293,7 @@ class Testbed:
         for dev in self.devices:
             self.start_worker(dev)
             profiler = [*py, "services.profiler.main", "--serve", "--coordinator", self.coordinator]
+            profiler += ["--keys", str(self.profiler_keys())]
             self.start(
                 dev, f"{dev}.profiler", [*profiler, "--redis-url", self.redis_url], "profiler"
             )
@@ -347,9 +371,8 @@ class Testbed:
                     workers.add(str(event.get("worker")))
                 elif event.get("event") == "service joined":
                     service = str(event.get("service", ""))
-                    profilers.update(
-                        d for d in self.devices if service.startswith(f"profiler-{d}-")
-                    )
+                    name = service.rpartition("/")[2]  # "profiler/profiler-<host>-<pid>"
+                    profilers.update(d for d in self.devices if name.startswith(f"profiler-{d}-"))
         return workers, profilers
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:

@@ -139,6 +139,7 @@ def run_testbed(spec: TestbedSpec, models: list[str], rounds: int, logs: Path) -
     rows = []
     with Testbed(spec, logs / spec.name) as bed:
         bed.up()
+        os.environ["ASTEROID_KEYS"] = str(bed.keys)  # jobs are submitted as its operator
         store = Store(bed.redis_url, bed.cluster)
         try:
             for model in models:

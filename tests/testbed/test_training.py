@@ -33,12 +33,13 @@ JOB = {
 
 
 @pytest.mark.timeout(900)
-def test_three_devices_train_a_planned_job_and_leave_nothing(tmp_path, subnet, tag):
+def test_three_devices_train_a_planned_job_and_leave_nothing(tmp_path, subnet, tag, monkeypatch):
     spec = load_testbed(THREE).model_copy(update={"subnet": subnet})
     tb = Testbed(spec, tmp_path / "logs", tag=tag, heartbeat_s=0.5)
     pids: list[int] = []
     with tb:
         tb.up(services=True, ready_timeout_s=400)
+        monkeypatch.setenv("ASTEROID_KEYS", str(tb.keys))  # the testbed's operator submits
         pids = tb.pids()
         job = JobSpec.model_validate(JOB)
         reply = ask_coordinator(tb.coordinator, SubmitJob(job=job), timeout_s=60)

@@ -410,6 +410,7 @@ def test_big_activations_for_a_far_future_round_are_refused(
     assert 0 < last["devices"]["c"]["peak_bytes"] < part, last
     drops = _drops(cluster, "c", "activation")
     assert len(drops) == 5 and all("beyond the next" in e["reason"] for e in drops), drops
-    # each part is read, refused and freed before the next (measured: +2 MiB); the
-    # allocator may keep one part's worth for reuse, never the five parts
-    assert grew[0] < part, f"worker c grew by {grew[0] / 2**20:.0f} MiB"
+    # each part is read, refused and freed (measured: +2 to +66 MiB: ZeroMQ may read a
+    # part or two ahead, and the allocator may keep what it freed for reuse); holding the
+    # five parts, as before, grew it by 320 MiB
+    assert grew[0] < 2.5 * part, f"worker c grew by {grew[0] / 2**20:.0f} MiB"

@@ -11,12 +11,16 @@ emulated devices) and the bandwidth between them.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from common.errors import ConfigError
 
-__all__ = ["ClusterSpec", "DeviceSpec", "LayerProfile", "Profile", "interp"]
+if TYPE_CHECKING:
+    from common.store import Store
+
+__all__ = ["ClusterSpec", "DeviceSpec", "LayerProfile", "Profile", "interp", "load_profiles"]
 
 
 class LayerProfile(BaseModel):
@@ -127,3 +131,17 @@ class ClusterSpec(BaseModel):
         if a == b:
             return float("inf")
         return self.links.get(f"{a}|{b}", self.links.get(f"{b}|{a}", self.bandwidth))
+
+
+def load_profiles(store: Store, keys: list[str]) -> dict[str, Profile]:
+    """Profiles stored under `profile:<key>`; ConfigError names a missing or bad one."""
+    out = {}
+    for key in keys:
+        data = store.get_json("profile", key)
+        if data is None:
+            raise ConfigError(f"no profile {key!r} in Redis: run asteroid-profiler first")
+        try:
+            out[key] = Profile.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(f"profile {key!r} in Redis is invalid: {exc}") from exc
+    return out

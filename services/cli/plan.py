@@ -19,13 +19,12 @@ from rich.table import Table
 from common.errors import ConfigError, PlanError, StoreError
 from common.exit_codes import ExitCode
 from common.plan import Plan
-from common.profile import ClusterSpec, Profile
+from common.profile import ClusterSpec, Profile, load_profiles
 from common.secrets import mask_text
 from common.settings import CommonSettings
 from common.store import Store
 from services.planner.base import PLANNERS, check_memory, get_planner
 from services.planner.cost import CostModel
-from services.planner.service import load_profiles
 from services.planner.simulator import SimResult, simulate
 
 __all__ = ["plan", "plan_table"]

@@ -16,10 +16,9 @@ from typing import Any
 from rich.table import Table
 
 from common.plan import Plan
-from common.profile import ClusterSpec
+from common.profile import ClusterSpec, load_profiles
 from common.store import Store
 from services.planner.cost import CostModel
-from services.planner.service import load_profiles
 from services.planner.simulator import SimResult, simulate
 
 __all__ = ["JobReport", "job_report", "stage_table", "summary_table"]

@@ -36,7 +36,7 @@ from common.messages import (
     SaveCheckpoint,
 )
 from common.plan import Plan
-from common.profile import ClusterSpec, Profile
+from common.profile import ClusterSpec, load_profiles
 from common.secrets import mask_text
 from common.store import OUTAGE
 from common.zoo import build_model
@@ -352,11 +352,11 @@ class JobRun:
         if stored is None:
             return None, None, None
         cluster = ClusterSpec.model_validate(stored)
-        profiles = {}
-        for device in cluster.devices:
-            data = self.store.get_json("profile", device.profile) if device.profile else None
-            if data is not None:
-                profiles[device.profile] = Profile.model_validate(data)
+        try:
+            keys = sorted({d.profile for d in cluster.devices if d.profile})
+            profiles = load_profiles(self.store, keys)
+        except ConfigError:  # a profile is gone: weigh layers and devices alike
+            return None, None, None
         planned = {DeviceId(device.name): device.memory_bytes for device in cluster.devices}
         budgets = {
             d: m.info.memory_budget or planned.get(d, 0) for d, m in self.coord.members.items()

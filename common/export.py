@@ -19,8 +19,8 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from common.checkpoint import latest_round, load_full_state
-from common.errors import CheckpointError, ConfigError
-from common.job import JobSpec, validation_message
+from common.errors import CheckpointError, ConfigError, validation_message
+from common.job import JobSpec
 from common.store import Store
 from common.zoo import build_model
 

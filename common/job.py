@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from common.errors import ConfigError
+from common.errors import ConfigError, validation_message
 from common.ids import JobId
 from common.zoo import ModelSpec
 
@@ -35,7 +35,6 @@ __all__ = [
     "check_job_id",
     "learning_rate",
     "load_job",
-    "validation_message",
 ]
 
 
@@ -184,6 +183,25 @@ class JobSpec(_Strict):
         description="When devices are lost: move the partition points on the survivors "
         "(lightweight), plan again from profiles (heavy), or fail the job (none).",
     )
+    elastic: bool = Field(
+        True,
+        description="Take in a worker that registers while the job runs, at a round "
+        "boundary (re-planned with the planner; not for a plan given by hand).",
+    )
+    adapt: bool = Field(
+        True,
+        description="Re-plan when measured device speeds drift from the plan's (a throttled "
+        "device): the planner plans again with each device's measured slowdown, and the job "
+        "moves if the gain pays for the migration (a plan given by hand: its partition points "
+        "move); also re-measure the links when rounds communicate far longer than planned.",
+    )
+    replicate_every: int = Field(
+        1,
+        ge=0,
+        le=MAX_ROUNDS,
+        description="Rounds between replicas of each single-device stage on its backup node "
+        "(0: none; a lost stage then comes back from the last checkpoint).",
+    )
 
     @field_validator("model")
     @classmethod
@@ -253,19 +271,6 @@ def learning_rate(spec: OptimizerSpec, round_no: int, total_rounds: int) -> floa
         t = min(1.0, (round_no - sched.warmup_rounds) / span)
         return sched.min_lr + (base - sched.min_lr) * 0.5 * (1 + math.cos(math.pi * t))
     return base
-
-
-def validation_message(exc: ValidationError) -> str:
-    """The first error of a pydantic ValidationError as "field.path: what is wrong"."""
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "job"
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        msg = "unknown key"
-    elif err["type"] == "missing":
-        msg = "required but missing"
-    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-    return f"{where}: {msg}{more}"
 
 
 def load_job(path: Path) -> JobSpec:

@@ -2,7 +2,8 @@
 
 submitted -> profiling -> planning -> running -> finished, and from any
 state before the end to failed or cancelled. A running job whose devices are
-lost goes to recovering and, once re-planned on the survivors, back to running.
+lost goes to recovering and, once re-planned on the survivors, back to running; one
+that takes in a device that joined, or lets a drained one go, is replanning meanwhile.
 Kept pure so the rules are tested without sockets; the coordinator records each
 transition in Redis. Shared in `common` because clients that follow a job (the
 CLI) need to know which states end it.
@@ -22,6 +23,7 @@ JobState = Literal[
     "planning",
     "running",
     "recovering",
+    "replanning",
     "finished",
     "failed",
     "cancelled",
@@ -33,8 +35,9 @@ _NEXT: dict[JobState, frozenset[JobState]] = {
     "submitted": frozenset({"profiling", "planning", "running"}),
     "profiling": frozenset({"planning"}),
     "planning": frozenset({"running"}),
-    "running": frozenset({"finished", "recovering"}),
+    "running": frozenset({"finished", "recovering", "replanning"}),
     "recovering": frozenset({"running"}),
+    "replanning": frozenset({"running", "recovering"}),
 }
 
 

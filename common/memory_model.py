@@ -16,7 +16,7 @@ from itertools import accumulate
 from common.errors import ConfigError
 from common.profile import Profile
 
-__all__ = ["LayerMemory", "stage_bytes"]
+__all__ = ["LayerMemory", "replica_bytes", "stage_bytes"]
 
 
 def stage_bytes(
@@ -29,6 +29,15 @@ def stage_bytes(
     each of the `in_flight` micro-batch shares of `samples` samples.
     """
     return 2 * param_bytes + optimizer_bytes + activation_bytes * samples * in_flight
+
+
+def replica_bytes(param_bytes: int, optimizer_bytes: int) -> int:
+    """Bytes a backup node keeps for another stage's replica (Asteroid §3.4 (2)).
+
+    Only what recovery must restore: weights and optimizer state. Gradients
+    and activations are rebuilt by the round that resumes, so none are kept.
+    """
+    return param_bytes + optimizer_bytes
 
 
 @dataclass(frozen=True)
@@ -76,4 +85,10 @@ class LayerMemory:
             self.activations[end] - self.activations[start],
             samples,
             in_flight,
+        )
+
+    def replica(self, start: int, end: int) -> int:
+        """Bytes of the replica of layers [start, end) on its backup node (see `replica_bytes`)."""
+        return replica_bytes(
+            self.params[end] - self.params[start], self.optimizer[end] - self.optimizer[start]
         )

@@ -26,10 +26,21 @@ __all__ = [
     "Assigned",
     "CancelJob",
     "CheckpointSaved",
+    "Collect",
+    "DrainDevice",
     "EvalDone",
     "Gradient",
+    "Handover",
     "Heartbeat",
     "JobReply",
+    "LayerState",
+    "LinkData",
+    "LinkDone",
+    "LinkHello",
+    "LinkReady",
+    "LinksMeasured",
+    "LocateRedis",
+    "MeasureLinks",
     "Message",
     "PlanReply",
     "PlanRequest",
@@ -37,7 +48,9 @@ __all__ = [
     "ProbeReply",
     "ProfileReply",
     "ProfileRequest",
+    "RedisLocation",
     "ReduceChunk",
+    "ReplicaSaved",
     "RoundDone",
     "RunEval",
     "RunRound",
@@ -50,9 +63,38 @@ __all__ = [
     "message_adapter",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 6
 """2: Assign names no Redis; each worker uses its own URL, so no credentials travel.
-3: the coordinator probes suspects (Probe, ProbeReply); heartbeats carry progress."""
+3: the coordinator probes suspects (Probe, ProbeReply); heartbeats carry progress.
+4: replicas and layer migration (LayerState, ReplicaSaved, Collect; RunRound keeps
+versions, Assign names the peers layers come from).
+5: measured links (heartbeats advertise a bandwidth sink; MeasureLinks, LinksMeasured,
+and the probe's own LinkHello, LinkReady, LinkData, LinkDone).
+6: heartbeats carry the worker's release; devices ask the coordinator where Redis is
+(LocateRedis, RedisLocation: host, port, db, never a password)."""
+
+MAX_LAYERS = 100_000
+"""Most layers a message may name: far above any model, so only a hostile list hits it."""
+MAX_KEPT = 64
+"""Most versions a worker is told to keep."""
+MAX_LINK_TARGETS = 64
+"""Most sinks one MeasureLinks names (and so most rates or errors one LinksMeasured carries)."""
+MAX_LINK_COUNT = 1_000_000
+"""Most payload messages one bandwidth probe announces."""
+MAX_LINK_MESSAGE_BYTES = 64 << 20
+"""Largest payload of one bandwidth probe message."""
+MAX_LINK_TIMEOUT_S = 600.0
+"""Longest a coordinator may let a worker spend probing one sink."""
+PROBE_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+RELEASE_PATTERN = r"^[A-Za-z0-9_.+!-]{0,64}$"
+"""A release (PEP 440, local part included): short, and nothing a log line would mangle."""
+HOST_PATTERN = r"^[A-Za-z0-9_.:-]{0,253}$"
+"""A host name, an IPv4 or a bare IPv6 address (no brackets); empty where a default applies."""
+CLUSTER_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
+"""A cluster's key prefix as the coordinator may name it to devices."""
+ENDPOINT_PATTERN = r"^tcp://[^\s/]{1,250}$"
+"""A ZeroMQ TCP endpoint ("tcp://host:port"), the only kind a worker is asked to probe."""
+_LinkPeer = Annotated[DeviceId, Field(min_length=1, max_length=255)]
 
 
 class _Msg(BaseModel):
@@ -94,6 +136,18 @@ class Heartbeat(_Msg):
         False,
         description="Its stage is blocked on the data plane, waiting for a peer (bounded by "
         "its task timeout): standing still then is the peer's doing, not a hang.",
+    )
+    link_addr: str = Field(
+        "",
+        max_length=256,
+        description="Where its bandwidth sink listens, for peers measuring their link to it "
+        "(empty: it runs none).",
+    )
+    version: str = Field(
+        "",
+        pattern=RELEASE_PATTERN,
+        description="The worker's release (`common.version.VERSION`; empty: not told), "
+        "compared with the coordinator's so a device left on an older release is named.",
     )
 
 
@@ -170,12 +224,56 @@ class CheckpointSaved(_Msg):
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+class LocateRedis(_Msg):
+    """Where is the cluster's Redis? Asked by a device (or the CLI) given no Redis URL.
+
+    Any key of the set may ask: the answer holds no credential, which each
+    device reads from its own key set (`common.locate`).
+    """
+
+    type: Literal["locate_redis"] = "locate_redis"
+    nonce: int = Field(ge=0, lt=2**63)
+
+
 class ProbeReply(_Msg):
     """The worker's control thread answers a Probe at once, whatever its stage is doing."""
 
     type: Literal["probe_reply"] = "probe_reply"
     device: DeviceId
     nonce: int
+
+
+class ReplicaSaved(_Msg):
+    """`device` holds a complete replica of `origin`'s layers [start, end) at `version`.
+
+    Sent by a backup node once every layer of the replica arrived, so the
+    coordinator knows which versions a lost stage can be restored from.
+    """
+
+    type: Literal["replica_saved"] = "replica_saved"
+    device: DeviceId
+    epoch: int
+    version: int = Field(ge=0)
+    origin: DeviceId
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+
+
+class LinksMeasured(_Msg):
+    """The answer to MeasureLinks `nonce`: bytes/s to each sink, or why it failed.
+
+    Every target named by the request is in exactly one of `rates` and `errors`.
+    """
+
+    type: Literal["links_measured"] = "links_measured"
+    device: DeviceId
+    nonce: int = Field(ge=0)
+    rates: dict[_LinkPeer, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict, max_length=MAX_LINK_TARGETS
+    )
+    errors: dict[_LinkPeer, Annotated[str, Field(max_length=500)]] = Field(
+        default_factory=dict, max_length=MAX_LINK_TARGETS
+    )
 
 
 class WorkerError(_Msg):
@@ -207,14 +305,35 @@ class Assign(_Msg):
     peers: dict[str, str]
     from_round: int
     total_rounds: int = Field(0, ge=0, description="Rounds of the job, for the lr schedule.")
+    sources: dict[int, DeviceId] | None = Field(
+        None,
+        max_length=MAX_LAYERS,
+        description="Layers of the stage this device did not hold, and the peer sending each "
+        "(version from_round); layers it held come from its own copy. None: all from Redis.",
+    )
+    sends: dict[DeviceId, list[int]] = Field(
+        default_factory=dict,
+        max_length=MAX_LAYERS,
+        description="Layers (version from_round) this device sends to each peer before it "
+        "loads its own.",
+    )
 
 
 class RunRound(_Msg):
-    """Start round `round` (0-based) of plan epoch `epoch`."""
+    """Start round `round` (0-based) of plan epoch `epoch`.
+
+    `keep` names the versions of stage state the worker must keep (its own
+    snapshots and the replicas it holds): those a recovery may resume from.
+    With `replicate`, the state at the start of this round is a replication
+    version: every device keeps it and a single-device stage sends it to its
+    backup node, on the data plane behind the round's own traffic.
+    """
 
     type: Literal["run_round"] = "run_round"
     epoch: int
     round: int
+    keep: list[int] = Field(default_factory=list, max_length=MAX_KEPT)
+    replicate: bool = False
 
 
 class RunEval(_Msg):
@@ -237,6 +356,55 @@ class SaveCheckpoint(_Msg):
     round: int
 
 
+class Collect(_Msg):
+    """Write the layers this device holds at `version` to Redis as checkpoint `version`.
+
+    The heavy recovery's gather through the central store: its own stage's
+    layers and any replica's. Abandons the round in flight, like an Assign.
+    Answered with CheckpointSaved.
+    """
+
+    type: Literal["collect"] = "collect"
+    epoch: int
+    version: int = Field(ge=0)
+    layers: list[int] = Field(max_length=MAX_LAYERS)
+
+
+class Handover(_Msg):
+    """Send peers the layers this device holds at `version`; it is leaving the plan.
+
+    A drained device is not in the new plan, yet it may be the only holder of
+    layers the new plan places elsewhere: it sends them as a device of the plan
+    does (`Assign.sends`), before it is let go. Not answered: a receiver that
+    waits in vain fails its Assign, and the job recovers as from a loss.
+    """
+
+    type: Literal["handover"] = "handover"
+    epoch: int
+    version: int = Field(ge=0)
+    peers: dict[str, str] = Field(max_length=MAX_LINK_TARGETS)
+    sends: dict[DeviceId, list[int]] = Field(max_length=MAX_LINK_TARGETS)
+
+
+class RedisLocation(_Msg):
+    """The coordinator's answer to LocateRedis `nonce`: host, port, db and key prefix.
+
+    Never a password or user: a device connects as its role's Redis user with
+    the password from its own key set. An empty `host` means the coordinator's
+    own host as the device reaches it (the coordinator's Redis is on its
+    loopback); `error` says why there is no location (`port` then means nothing).
+    """
+
+    type: Literal["redis_location"] = "redis_location"
+    nonce: int = Field(ge=0, lt=2**63)
+    host: str = Field("", pattern=HOST_PATTERN)
+    port: int = Field(6379, ge=1, le=65535)
+    db: int = Field(0, ge=0, le=65535)
+    tls: bool = Field(False, description="Connect with TLS (rediss://).")
+    cluster: str = Field("default", pattern=CLUSTER_PATTERN)
+    error: str = Field("", max_length=500)
+
+
 class Probe(_Msg):
     """Are you there? Sent to a worker whose heartbeats are overdue; `nonce` pairs the reply.
 
@@ -246,6 +414,24 @@ class Probe(_Msg):
 
     type: Literal["probe"] = "probe"
     nonce: int
+
+
+class MeasureLinks(_Msg):
+    """Measure the bandwidth from this worker to each target device's sink, one after another.
+
+    Each probe streams `count` messages of `nbytes` and takes at most `timeout_s`;
+    answered with LinksMeasured `nonce`. The worker probes beside its stage, so
+    it keeps heartbeating (the coordinator asks between rounds only).
+    """
+
+    type: Literal["measure_links"] = "measure_links"
+    nonce: int = Field(ge=0)
+    targets: dict[_LinkPeer, Annotated[str, Field(pattern=ENDPOINT_PATTERN)]] = Field(
+        min_length=1, max_length=MAX_LINK_TARGETS
+    )
+    nbytes: int = Field(ge=1, le=MAX_LINK_MESSAGE_BYTES)
+    count: int = Field(ge=1, le=MAX_LINK_COUNT)
+    timeout_s: float = Field(gt=0, le=MAX_LINK_TIMEOUT_S)
 
 
 class Shutdown(_Msg):
@@ -314,6 +500,17 @@ class CancelJob(_Msg):
     reason: str = Field("cancelled by request", max_length=500)
 
 
+class DrainDevice(_Msg):
+    """Move a device's work away at the next round boundary (nothing replayed), then let it go."""
+
+    type: Literal["drain_device"] = "drain_device"
+    target: DeviceId = Field(
+        max_length=255,
+        description="The device to drain (not `device`: that names a message's own sender).",
+    )
+    reason: str = Field("drained by request", max_length=500)
+
+
 class JobReply(_Msg):
     """The coordinator's answer to SubmitJob or CancelJob."""
 
@@ -333,6 +530,9 @@ class PlanRequest(_Msg):
     profiles: list[str] = Field(description="Redis keys of the profiles the cluster names.")
     global_batch: int
     microbatches: int
+    current: Plan | None = Field(
+        None, description="The running plan, to predict on this cluster too (a re-plan's baseline)."
+    )
 
 
 class PlanReply(_Msg):
@@ -343,6 +543,9 @@ class PlanReply(_Msg):
     ok: bool
     error: str = ""
     predicted_round_s: float = 0.0
+    current_round_s: float = Field(
+        0.0, ge=0.0, description="The request's `current` plan's predicted round; 0: not asked."
+    )
 
 
 # --- data plane: worker -> worker -------------------------------------------
@@ -378,6 +581,23 @@ class Gradient(_SampleRange):
     type: Literal["gradient"] = "gradient"
 
 
+class LayerState(_Msg):
+    """One layer's state (weights, buffers, optimizer state) at `version`.
+
+    Frames: one uint8 tensor, the layer's safetensors blob (parsed, never
+    executed). `purpose` "replica": a backup of the sender's stage, layers
+    [start, end); "migrate": a layer the receiver's new stage needs.
+    """
+
+    type: Literal["layer_state"] = "layer_state"
+    epoch: int
+    version: int = Field(ge=0)
+    layer: int = Field(ge=0)
+    purpose: Literal["replica", "migrate"]
+    start: int = Field(0, ge=0)
+    end: int = Field(0, ge=0)
+
+
 class ReduceChunk(_Msg):
     """One chunk of a ring all-reduce step inside a stage's group. Frames: the chunk."""
 
@@ -389,12 +609,53 @@ class ReduceChunk(_Msg):
     chunk: int
 
 
+# --- bandwidth probe: worker -> a peer's bandwidth sink ------------------------------
+
+
+class LinkHello(_Msg):
+    """A prober announces probe `probe`: `count` messages of `nbytes` follow."""
+
+    type: Literal["link_hello"] = "link_hello"
+    probe: str = Field(pattern=PROBE_ID_PATTERN)
+    count: int = Field(ge=1, le=MAX_LINK_COUNT)
+    nbytes: int = Field(ge=1, le=MAX_LINK_MESSAGE_BYTES)
+
+
+class LinkReady(_Msg):
+    """The sink tracks probe `probe` now; the prober may stream."""
+
+    type: Literal["link_ready"] = "link_ready"
+    probe: str = Field(pattern=PROBE_ID_PATTERN)
+    count: int = Field(ge=1, le=MAX_LINK_COUNT)
+    nbytes: int = Field(ge=1, le=MAX_LINK_MESSAGE_BYTES)
+
+
+class LinkData(_Msg):
+    """Payload message `seq` of probe `probe`. Frames: one uint8 tensor of the announced size."""
+
+    type: Literal["link_data"] = "link_data"
+    probe: str = Field(pattern=PROBE_ID_PATTERN)
+    seq: int = Field(ge=0, lt=MAX_LINK_COUNT)
+
+
+class LinkDone(_Msg):
+    """The sink received all `count` messages of probe `probe`, `nbytes` bytes in all."""
+
+    type: Literal["link_done"] = "link_done"
+    probe: str = Field(pattern=PROBE_ID_PATTERN)
+    count: int = Field(ge=1, le=MAX_LINK_COUNT)
+    nbytes: int = Field(ge=1)
+
+
 Message = Annotated[
     Heartbeat
     | Assigned
     | RoundDone
     | CheckpointSaved
     | WorkerError
+    | ReplicaSaved
+    | Collect
+    | Handover
     | Assign
     | RunRound
     | SaveCheckpoint
@@ -403,6 +664,8 @@ Message = Annotated[
     | Shutdown
     | Probe
     | ProbeReply
+    | LocateRedis
+    | RedisLocation
     | ServiceHello
     | PlanRequest
     | PlanReply
@@ -410,10 +673,18 @@ Message = Annotated[
     | ProfileReply
     | SubmitJob
     | CancelJob
+    | DrainDevice
     | JobReply
     | Activation
     | Gradient
-    | ReduceChunk,
+    | ReduceChunk
+    | LayerState
+    | MeasureLinks
+    | LinksMeasured
+    | LinkHello
+    | LinkReady
+    | LinkData
+    | LinkDone,
     Field(discriminator="type"),
 ]
 

@@ -60,6 +60,14 @@ class Plan(BaseModel):
     microbatches: int = Field(ge=1)
     planner: str = "manual"
     predicted_round_s: float | None = None
+    predicted_comm_s: float = Field(
+        0.0,
+        ge=0.0,
+        description=(
+            "Of the predicted round, the longest a device spends not computing: waiting for "
+            "its peers (transfers, pipeline fill and drain) and all-reducing. 0: unknown."
+        ),
+    )
     predicted_peak_bytes: dict[str, int] = Field(default_factory=dict)
 
     @property
@@ -78,6 +86,22 @@ class Plan(BaseModel):
             if any(a.device == device for a in stage.devices):
                 return i
         raise PlanError(f"device {device} is not in the plan (plan has {self.devices})")
+
+    def backup_of(self, stage: int) -> DeviceId | None:
+        """The device holding stage `stage`'s replica (Asteroid Fig. 9), or None.
+
+        A single-device stage backs up to the first device of the next stage,
+        the last stage to the first's; a multi-device stage is its own replica
+        and a one-stage plan has nowhere else to go. Planner, coordinator and
+        workers all derive the backup from the plan with this one rule.
+        """
+        if len(self.stages) == 1 or len(self.stages[stage].devices) > 1:
+            return None
+        return self.stages[(stage + 1) % len(self.stages)].devices[0].device
+
+    def backups_held(self, device: DeviceId) -> list[int]:
+        """The stages whose replica `device` holds, so its memory can count them."""
+        return [s for s in range(len(self.stages)) if self.backup_of(s) == device]
 
     def warmup(self, stage: int) -> int:
         """K_p of `stage`: Asteroid's 2(S-p)-1 unless overridden, never above M."""

@@ -10,14 +10,17 @@ import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from common.secrets import mask_url
+from common.units import Bytes, BytesPerSecond
 
 __all__ = [
+    "LOG_LEVELS",
     "POOL_MAX_BYTES",
     "REDIS_OUTAGE_S",
     "CommonSettings",
@@ -30,6 +33,20 @@ POOL_MAX_BYTES = 4 << 30
 """Default cap on a task pool's bytes: far above what a round of an edge plan holds."""
 REDIS_OUTAGE_S = 120.0
 """Default longest Redis outage a service waits out: a router's reboot, a Redis restart."""
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+"""The levels `--log-level` takes, least severe first."""
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_ZMQ_ADDRESS = re.compile(r"^(tcp://\S+:([0-9]{1,5}|\*)|ipc://\S+)$")
+
+
+def _zmq_address(value: str) -> str:
+    """`value` if it is a ZeroMQ address a service can bind or connect to."""
+    if not _ZMQ_ADDRESS.match(value):
+        raise PydanticCustomError(
+            "zmq_address", "expected an address like tcp://HOST:PORT (or ipc://PATH)"
+        )
+    return value
 
 
 class CommonSettings(BaseSettings):
@@ -49,7 +66,9 @@ class CommonSettings(BaseSettings):
     log_format: Literal["auto", "console", "json"] = Field(
         "auto", description="Log rendering: console on a terminal, JSON otherwise (auto)."
     )
-    log_level: str = Field("info", description="Minimum log level.")
+    log_level: LogLevel = Field(
+        "info", description="Minimum log level: " + ", ".join(LOG_LEVELS) + "."
+    )
     heartbeat_s: float = Field(0.5, gt=0, description="Seconds between worker heartbeats.")
     redis_outage_s: float = Field(
         REDIS_OUTAGE_S,
@@ -57,13 +76,16 @@ class CommonSettings(BaseSettings):
         description="Longest Redis outage a service rides out, retrying with backoff (a job "
         "pauses at its next round boundary), before what waits fails with a named error.",
     )
-    max_header_bytes: int = Field(
-        1 << 20, gt=0, description="Largest message header (msgpack frame) accepted."
+    max_header_bytes: Bytes = Field(
+        1 << 20,
+        gt=0,
+        description="Largest message header (msgpack frame) accepted (bytes, or like 1MiB).",
     )
-    max_tensor_bytes: int = Field(
+    max_tensor_bytes: Bytes = Field(
         1 << 30,
         gt=0,
-        description="Largest tensor frame accepted; larger announcements are refused.",
+        description="Largest tensor frame accepted, larger announcements are refused (bytes, "
+        "or like 1GiB).",
     )
     keys: Path | None = Field(
         None,
@@ -85,6 +107,26 @@ class CommonSettings(BaseSettings):
         """
         for name, value in super().__repr_args__():
             yield name, mask_url(value) if name == "redis_url" and isinstance(value, str) else value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        if not value.startswith(_REDIS_SCHEMES) or value.endswith("://"):
+            raise PydanticCustomError(
+                "redis_url", "expected a URL like redis://HOST:6379/0 (or rediss://, unix://)"
+            )
+        return value
+
+    @field_validator("coordinator")
+    @classmethod
+    def _coordinator_address(cls, value: str) -> str:
+        return _zmq_address(value)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: object) -> object:
+        # INFO, as Python's logging spells it, is the same level
+        return value.strip().lower() if isinstance(value, str) else value
 
     @field_validator("model_modules", mode="before")
     @classmethod
@@ -113,7 +155,20 @@ class WorkerSettings(CommonSettings):
         description="Interface the data-plane socket binds to (empty: loopback if the "
         "coordinator is on loopback, else every interface).",
     )
-    data_port: int = Field(0, ge=0, description="Data-plane port (0 picks a free one).")
+    data_port: int = Field(
+        5556,
+        ge=0,
+        le=65535,
+        description="Data-plane port, fixed so a firewall can be opened for it (0 picks a free "
+        "one: several workers on one machine each need their own).",
+    )
+    link_port: int = Field(
+        5557,
+        ge=0,
+        le=65535,
+        description="Port of the bandwidth sink peers measure their link to this worker with; "
+        "it binds where the data socket does (0 picks a free one).",
+    )
     advertise_host: str = Field(
         "",
         description="Host peers use to reach this worker (empty: data_host, or the address "
@@ -125,20 +180,20 @@ class WorkerSettings(CommonSettings):
     workers_per_host: int = Field(
         1, ge=1, description="Workers sharing this machine, for the default thread count."
     )
-    memory_budget: int = Field(
+    memory_budget: Bytes = Field(
         0,
         ge=0,
-        description="Bytes training may use on this device (0: the cgroup limit minus what "
-        "the worker holds after start-up, else free memory).",
+        description="Bytes training may use on this device, e.g. 2GB or 1536MiB (0: the cgroup "
+        "limit minus what the worker holds after start-up, else free memory).",
     )
     task_timeout_s: float = Field(
         120.0, gt=0, description="Longest wait for an activation, gradient or reduce chunk."
     )
-    pool_max_bytes: int = Field(
+    pool_max_bytes: Bytes = Field(
         POOL_MAX_BYTES,
         gt=0,
-        description="Most bytes of received activations, gradients and reduce chunks the "
-        "task pool holds; parts beyond are refused and logged with their sender.",
+        description="Most bytes (or e.g. 4GiB) of received activations, gradients and reduce "
+        "chunks the task pool holds; parts beyond are refused and logged with their sender.",
     )
     fail_at: str = Field(
         "",
@@ -244,11 +299,25 @@ class CoordinatorSettings(CommonSettings):
     profile_timeout_s: float = Field(
         600.0, gt=0, description="Longest wait for one device kind's profile."
     )
-    link_bandwidth: float = Field(
+    link_bandwidth: BytesPerSecond = Field(
         125e6,
         gt=0,
-        description="Bytes/s the planner assumes between workers when no --cluster-spec "
-        "gives the links.",
+        description="Bytes/s (a number, or like 125MB/s; bits are refused) the planner assumes "
+        "between workers whose link could not be measured, when no --cluster-spec gives the "
+        "links.",
+    )
+    link_probe_bytes: Bytes = Field(
+        4 << 20,
+        ge=0,
+        description="Bytes (or e.g. 4MiB) streamed to measure each pair of a job's workers "
+        "before it is planned (0: measure nothing, every link gets link_bandwidth).",
+    )
+    link_probe_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="Longest one pair's measurement may take; a pair not measured by then "
+        "gets link_bandwidth.",
     )
     resume: bool = Field(False, description="Continue --job from its newest committed checkpoint.")
     replace: bool = Field(
@@ -259,6 +328,17 @@ class CoordinatorSettings(CommonSettings):
     shutdown_workers: bool = Field(
         False, description="Tell the workers to exit when the --job finishes."
     )
+    metrics_dir: Path | None = Field(
+        None,
+        description="Directory to stream each job's metrics to as rounds are committed: "
+        "JOB.csv and TensorBoard event files in JOB/ (unset: Redis only; `asteroid "
+        "export-metrics` writes the same files later). Trouble writing them never stops a job.",
+    )
+
+    @field_validator("bind")
+    @classmethod
+    def _bind_address(cls, value: str) -> str:
+        return _zmq_address(value)
 
 
 class ProfilerSettings(CommonSettings):
@@ -280,8 +360,11 @@ class ProfilerSettings(CommonSettings):
     max_batch: int = Field(256, ge=1, description="Largest automatic batch size.")
     repeats: int = Field(5, ge=1, description="Timed runs per layer and batch size (medians).")
     warmup: int = Field(2, ge=0, description="Untimed runs before the timed ones.")
-    memory_budget: int = Field(
-        0, ge=0, description="Bytes this device may use (0: cgroup limit, else free memory)."
+    memory_budget: Bytes = Field(
+        0,
+        ge=0,
+        description="Bytes this device may use, e.g. 2GB or 1536MiB (0: cgroup limit, else "
+        "free memory).",
     )
     threads: int = Field(0, ge=0, description="Torch threads (0: the cores this process may use).")
     refresh: bool = Field(False, description="Measure again even if Redis holds a profile.")

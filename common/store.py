@@ -5,10 +5,18 @@ runs) share one Redis. Large blobs are written chunk by chunk and published by
 writing their manifest last, so a reader never sees half a blob. Redis is
 never on the per-micro-batch path: only registration, plans, round commits,
 metrics and checkpoints go through here.
+
+Durability: a write Redis acknowledges is in its memory and, with an
+append-only file, handed to the OS. `Store.wait_durable` then waits until it
+is fsynced (WAITAOF, Redis 7.2 or newer). A server without WAITAOF gives what
+its `appendfsync` gives: with `everysec` a power cut can lose up to about a
+second of acknowledged writes, with `always` none; a killed redis-server loses
+nothing it acknowledged either way, since the OS still holds the written file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -45,6 +53,8 @@ class Store:
         self.where = mask_url(url)
         """The Redis URL with its password hidden: what errors and logs may show."""
         self.r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
+        self._waitaof: bool | None = None
+        """Whether WAITAOF works here; None until the first `wait_durable` finds out."""
 
     def ride_out(
         self,
@@ -105,6 +115,34 @@ class Store:
                 f"Redis at {self.where} does not answer: {mask_text(str(exc))}"
             ) from exc
 
+    def wait_durable(self, timeout_s: float = 1.0) -> bool:
+        """Wait up to `timeout_s` until Redis has fsynced this connection's writes to its AOF.
+
+        True once they are on disk. False, without an error, when they may not
+        be yet: the wait timed out, or WAITAOF is unavailable (Redis older than
+        7.2, `appendonly no`, or an ACL user without `+waitaof`). Unavailability
+        is found by trying the command once, since the roles' ACL users may run
+        neither COMMAND nor INFO, and is remembered for this Store. Without
+        WAITAOF a commit is as durable as the server's `appendfsync` makes it
+        (see the module docstring). Outages raise as everywhere (see OUTAGE).
+        """
+        if self._waitaof is False:
+            return False
+        try:
+            wait_ms = max(1, round(timeout_s * 1000))  # 0 would mean: wait forever
+            reply = self.r.execute_command("WAITAOF", 1, 0, wait_ms)  # type: ignore[no-untyped-call]
+        except redis.ResponseError as exc:
+            self._waitaof = False
+            log.warning(
+                "Redis cannot wait for its append-only file; commits are as durable as "
+                "its appendfsync setting makes them",
+                redis=self.where,
+                error=mask_text(str(exc)),
+            )
+            return False
+        self._waitaof = True
+        return _fsynced_locally(reply)
+
     # --- JSON documents -------------------------------------------------------
 
     def put_json(self, value: Any, *parts: object) -> None:
@@ -126,11 +164,23 @@ class Store:
         pipe = self.r.pipeline(transaction=False)
         for i in range(n):
             pipe.set(f"{base}:chunk:{i}", bytes(view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]))
-        pipe.set(f"{base}:manifest", json.dumps({"chunks": n, "bytes": len(data)}))
+        digest = hashlib.sha256(data).hexdigest()
+        pipe.set(
+            f"{base}:manifest", json.dumps({"chunks": n, "bytes": len(data), "sha256": digest})
+        )
         pipe.execute()
 
+    def blob_manifest(self, *parts: object) -> dict[str, Any] | None:
+        """A blob's manifest (`chunks`, `bytes`, and `sha256` if its writer recorded it)."""
+        manifest = self.get_json(*parts, "manifest")
+        return None if manifest is None else dict(manifest)
+
     def get_blob(self, *parts: object) -> bytes | None:
-        """A blob, or None when its manifest is absent; raises if chunks are missing."""
+        """A blob, or None when its manifest is absent.
+
+        Raises StoreError if chunks are missing or the bytes do not hash to the
+        manifest's sha256 (a chunk overwritten or damaged after the blob was written).
+        """
         base = self.key(*parts)
         raw = self.r.get(f"{base}:manifest")
         if raw is None:
@@ -145,6 +195,9 @@ class Store:
             raise StoreError(
                 f"blob {base} has {len(data)} bytes, manifest says {manifest['bytes']}"
             )
+        expected = manifest.get("sha256")
+        if expected is not None and (actual := hashlib.sha256(data).hexdigest()) != expected:
+            raise StoreError(f"blob {base} hashes to sha256 {actual}, manifest says {expected}")
         return data
 
     def _under(self, *parts: object) -> Iterator[bytes]:
@@ -192,6 +245,26 @@ class Store:
         out = [{k.decode(): json.loads(v) for k, v in fields.items()} for _, fields in entries]
         return out, (entries[-1][0].decode() if entries else after)
 
+    def update_job(
+        self, job: str, fields: dict[str, Any], entries: dict[str, tuple[dict[str, Any], int]]
+    ) -> None:
+        """Set fields of the job's hash and append to its streams in one MULTI/EXEC.
+
+        `entries` maps a stream name to (entry, maxlen). A round is committed by its
+        hash's `round` and its metrics entry together: a writer killed between two
+        separate writes would leave a round counted with no metrics, or the reverse.
+        """
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.key("job", job), mapping={k: json.dumps(v) for k, v in fields.items()})
+        for stream, (entry, maxlen) in entries.items():
+            pipe.xadd(
+                self.key(stream, job),
+                {k: json.dumps(v) for k, v in entry.items()},
+                maxlen=maxlen,
+                approximate=True,
+            )
+        pipe.execute()
+
     def set_fields(self, mapping: dict[str, Any], *parts: object) -> None:
         """Set fields of a hash (values JSON-encoded)."""
         self.r.hset(self.key(*parts), mapping={k: json.dumps(v) for k, v in mapping.items()})
@@ -208,3 +281,10 @@ class Store:
     def keys(self, *parts: object) -> Iterable[bytes]:
         """Keys whose name starts with ``key(*parts)`` (for status and tests; not a pattern)."""
         return self._under(*parts)
+
+
+def _fsynced_locally(reply: object) -> bool:
+    """Whether a WAITAOF reply ``[local, replicas]`` says the local AOF holds the writes."""
+    if not isinstance(reply, (list, tuple)) or not reply:
+        raise StoreError(f"WAITAOF answered {reply!r}, expected [local, replicas]")
+    return int(reply[0]) >= 1

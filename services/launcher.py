@@ -1,22 +1,24 @@
 """A whole cluster on this machine: Redis, the four services and N workers, as processes.
 
 Used by `asteroid up` and `asteroid demo`. Every service is started exactly
-as a person would start it on a device (`python -m services.<name>.main`
-with flags and `ASTEROID_*` variables), logs to its own file, and is stopped
-on exit, on error and on Ctrl-C; children also die with this process.
+as a person would start it on a device (its installed command, such as
+`asteroid-worker`, with flags and `ASTEROID_*` variables; never
+`python -m`, which a folder named `common` or `services` in the current
+folder would shadow), logs to its own file, and is stopped on exit, on
+error and on Ctrl-C; children also die with this process.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 from types import TracebackType
 
 from common.embedded_redis import EmbeddedRedis
+from common.entry_points import service_command
 from common.errors import AsteroidError
+from common.ports import free_port
 from common.procs import spawn, stop_all
 
 __all__ = ["LocalStack", "ServiceDied", "service_env"]
@@ -38,13 +40,9 @@ def service_env(
         "ASTEROID_HEARTBEAT_S": str(heartbeat_s),
         "ASTEROID_LOG_FORMAT": "json",
         "OMP_NUM_THREADS": str(threads),
+        "ASTEROID_DATA_PORT": "0",  # several workers on this machine
+        "ASTEROID_LINK_PORT": "0",
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LocalStack:
@@ -64,7 +62,7 @@ class LocalStack:
         self.cluster, self.threads = cluster, threads
         self.memory_budget, self.heartbeat_s = memory_budget, heartbeat_s
         self._url = redis_url
-        self.coordinator = f"tcp://127.0.0.1:{_free_port()}"
+        self.coordinator = f"tcp://127.0.0.1:{free_port()}"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._redis: EmbeddedRedis | None = None
 
@@ -92,17 +90,15 @@ class LocalStack:
             if self._url is None:
                 self._redis = EmbeddedRedis().__enter__()
                 self._url = self._redis.url
-            py = [sys.executable, "-m"]
-            self._spawn(
-                "coordinator", [*py, "services.coordinator.main", "--bind", self.coordinator]
-            )
-            self._spawn("planner", [*py, "services.planner.service"])
+            coordinator = [*service_command("coordinator"), "--bind", self.coordinator]
+            self._spawn("coordinator", coordinator)
+            self._spawn("planner", service_command("planner"))
             self._spawn(
                 "profiler",
-                [*py, "services.profiler.main", "--serve", "--threads", str(self.threads)],
+                [*service_command("profiler"), "--serve", "--threads", str(self.threads)],
             )
             for name in self.devices:
-                cmd = [*py, "services.worker.main", "--device", name]
+                cmd = [*service_command("worker"), "--device", name]
                 cmd += ["--threads", str(self.threads)]
                 if self.memory_budget:
                     cmd += ["--memory-budget", str(self.memory_budget)]

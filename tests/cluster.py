@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from common.ports import free_port
 
 GLOBAL_TIMEOUT_S = 300.0
 """pytest's per-test timeout (pyproject.toml); a test checks that the two agree."""
@@ -116,12 +117,6 @@ def marked_processes(variable: str, value: str) -> dict[int, str]:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Budget:
     """What is left of one test's time, so that all its waits together end before pytest's.
 
@@ -165,6 +160,8 @@ class LocalCluster:
             "ASTEROID_LOG_FORMAT": "json",
             "ASTEROID_THREADS": "1",
             "OMP_NUM_THREADS": "1",
+            "ASTEROID_DATA_PORT": "0",  # several workers on this machine
+            "ASTEROID_LINK_PORT": "0",
         }
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.workers: list[str] = []
@@ -199,22 +196,23 @@ class LocalCluster:
         return path
 
     def start_coordinator(
-        self, job: dict[str, Any], plan: dict[str, Any]
+        self,
+        job: dict[str, Any],
+        plan: dict[str, Any] | None = None,
+        *,
+        name: str = "coordinator",
+        resume: bool = False,
     ) -> subprocess.Popen[bytes]:
-        return self.spawn(
-            "coordinator",
-            [
-                "-m",
-                "services.coordinator.main",
-                "--bind",
-                self.addr,
-                "--job",
-                str(self.write("job.yaml", job)),
-                "--plan",
-                str(self.write("plan.json", plan)),
-                "--shutdown-workers",
-            ],
-        )
+        """The coordinator for `job` on `plan`; without one it profiles and plans the job
+        itself (a profiler and a planner must run). With `resume`, a coordinator started
+        again (child `name`) that picks the job up from Redis."""
+        args = ["-m", "services.coordinator.main", "--bind", self.addr, "--shutdown-workers"]
+        args += ["--job", str(self.write("job.yaml", job))]
+        if plan is not None:
+            args += ["--plan", str(self.write("plan.json", plan))]
+        if resume:
+            args.append("--resume")
+        return self.spawn(name, args)
 
     def run(self, job: dict[str, Any], plan: dict[str, Any], timeout_s: float = 240) -> int:
         """Run a job to the end; returns the coordinator's exit code."""

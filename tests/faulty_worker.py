@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import enum
+import queue
 import sys
-from typing import Any
+import time
+from typing import Any, NamedTuple
 
 import torch
 
 import services.worker.main as worker_main
+from common.codec import encode
 from common.logging import get_logger
-from common.messages import Message
+from common.messages import Activation, Gradient, Message, ReduceChunk
 from services.worker.stage import RoundResult, StageRunner
 from services.worker.transport import Dispatcher
 
@@ -41,6 +44,9 @@ class Fault(enum.Enum):
     FAIL_ROUND = "fail-round"
     """Its stage raises a RuntimeError at the start of round `--fault-round`
     (the worker reports it as a WorkerError and keeps serving)."""
+    SLOW_DATA = "slow-data"
+    """From round `--fault-round` on, every activation, gradient and all-reduce chunk it
+    sends leaves `SLOW_S` late, as over a slow link: its compute and link probes are untouched."""
     STALL_ALLREDUCE = "stall-allreduce"
     """In round `--fault-round`, its stage stops before its all-reduce (logging
     `STALL_EVENT`) until a new assignment or a shutdown, so that a test can kill
@@ -48,6 +54,8 @@ class Fault(enum.Enum):
 
 
 STALL_EVENT = "fault: stalling before the all-reduce"
+SLOW_S = 0.1
+"""How late a slow-data worker's data-plane messages leave."""
 
 
 def _runner_class(fault: Fault, stage: int, fault_round: int) -> type[StageRunner]:
@@ -58,10 +66,10 @@ def _runner_class(fault: Fault, stage: int, fault_round: int) -> type[StageRunne
                 for group in self.optimizer.param_groups:
                     group["weight_decay"] = 0.0
 
-        def run_round(self, round_no: int) -> RoundResult:
+        def run_round(self, round_no: int, *rest: Any) -> RoundResult:
             if fault is Fault.FAIL_ROUND and self.p == stage and round_no == fault_round:
                 raise RuntimeError(f"injected fault in round {round_no} on stage {self.p}")
-            return super().run_round(round_no)
+            return super().run_round(round_no, *rest)
 
         def _allreduce(self, round_no: int) -> None:
             if fault is Fault.STALL_ALLREDUCE and self.p == stage and round_no == fault_round:
@@ -95,6 +103,40 @@ def _dispatcher_class(cut_round: int) -> type[Dispatcher]:
     return CutDispatcher
 
 
+class _Late(NamedTuple):
+    """A queued send to make `SLOW_S` late."""
+
+    item: tuple[str, list[Any]]
+
+
+class _LateQueue(queue.Queue[Any]):
+    """The dispatcher's queue: a `_Late` item leaves `SLOW_S` after the sending thread takes it."""
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        item = super().get(block, timeout)
+        if isinstance(item, _Late):
+            time.sleep(SLOW_S)
+            return item.item
+        return item
+
+
+def _slow_dispatcher_class(from_round: int) -> type[Dispatcher]:
+    class SlowDispatcher(Dispatcher):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.q = _LateQueue()
+
+        def send(
+            self, dst: str, msg: Message, tensors: list[torch.Tensor] | tuple[()] = ()
+        ) -> None:
+            if isinstance(msg, Activation | Gradient | ReduceChunk) and msg.round >= from_round:
+                self.q.put(_Late((dst, encode(msg, self.device, tensors))))
+                return
+            super().send(dst, msg, tensors)
+
+    return SlowDispatcher
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the fault flags, patch the worker's classes, run the worker with the rest."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -105,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     fault = Fault(args.fault)
     if fault is Fault.CUT_DATA:
         worker_main.Dispatcher = _dispatcher_class(args.fault_round)  # type: ignore[misc]
+    elif fault is Fault.SLOW_DATA:
+        worker_main.Dispatcher = _slow_dispatcher_class(args.fault_round)  # type: ignore[misc]
     else:
         worker_main.StageRunner = _runner_class(fault, args.fault_stage, args.fault_round)  # type: ignore[misc]
     worker_main.main(rest)

@@ -5,8 +5,8 @@ import yaml
 from typer.testing import CliRunner
 
 from common.exit_codes import ExitCode
+from common.ports import free_port
 from services.cli import app
-from tests.cluster import free_port
 
 GOOD = {
     "job_id": "j",

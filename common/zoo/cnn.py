@@ -1,7 +1,11 @@
-"""A small plain CNN (conv, ReLU, average pooling) without batch-norm.
+"""A small plain CNN (conv, SiLU, average pooling) without batch-norm.
 
 Without batch-norm, micro-batched pipeline training equals single-device training up
-to float round-off, which makes this the model of the exactness tests.
+to float round-off, which makes this the model of the exactness tests. Its
+activations are smooth for the same reason: with ReLU, a round-off difference
+(a batch of 32 against four of 8 takes other kernels on some CPUs) can flip an
+activation near zero, and that flip turns 3e-8 into a jump of 2e-6 within three
+SGD steps; with SiLU round-off stays round-off (6e-8 after 14 steps).
 """
 
 from collections import OrderedDict
@@ -17,7 +21,7 @@ __all__ = ["build_small_cnn"]
 def _conv(in_channels: int, out_channels: int, pool: bool) -> nn.Sequential:
     parts: OrderedDict[str, nn.Module] = OrderedDict(
         conv=nn.Conv2d(in_channels, out_channels, 3, padding=1),
-        act=nn.ReLU(),
+        act=nn.SiLU(),
     )
     if pool:
         parts["pool"] = nn.AvgPool2d(2)
@@ -43,7 +47,7 @@ def build_small_cnn(spec: ModelSpec) -> ZooModel:
         _conv(w, 2 * w, pool=False),
         _conv(2 * w, 2 * w, pool=True),
         _conv(2 * w, 4 * w, pool=True),
-        nn.Sequential(OrderedDict(flatten=nn.Flatten(), fc=nn.Linear(flat, hidden), act=nn.ReLU())),
+        nn.Sequential(OrderedDict(flatten=nn.Flatten(), fc=nn.Linear(flat, hidden), act=nn.SiLU())),
         nn.Linear(hidden, spec.num_classes),
     ]
     _init_kaiming(layers)

@@ -1,27 +1,56 @@
 """`asteroid`: the command line for people.
 
-demo and up run a whole cluster on this machine; train, status, cancel and
+demo and up run a whole cluster on this machine; train, status, cancel, drain and
 export work with a running coordinator and its Redis; plan and profile look
 at plans and devices before training. Exit codes: `common.exit_codes.ExitCode`.
+
+`main` is the installed `asteroid` command: a bad flag or setting there is
+one line on stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
 
-import typer
+import sys
+from typing import Annotated
 
-from services.cli import jobs, keys, local
+import typer
+from pydantic import ValidationError
+
+from common.cli_args import error_line, is_settings_error
+from common.exit_codes import ExitCode
+from common.version import VERSION
+from services.cli import deploy as deploy_cmd
+from services.cli import jobs, keys, local, metrics
+from services.cli import join as join_cmd
 from services.cli import plan as plan_cmd
 from services.cli import testbed as testbed_cmd
+from services.cli.example_files import examples
 
-__all__ = ["app"]
+__all__ = ["app", "main"]
 
 app = typer.Typer(
     help="Asteroid-Edge: hybrid-pipeline training across edge devices.", no_args_is_help=True
 )
 
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        typer.echo(f"asteroid {VERSION}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the version and exit.",
+        ),
+    ] = False,
+) -> None:
     """Asteroid-Edge command line."""
 
 
@@ -37,11 +66,45 @@ def profile(ctx: typer.Context) -> None:
 
 
 app.command()(local.demo)
+app.command()(examples)
 app.command()(local.up)
 app.command()(jobs.train)
 app.command()(plan_cmd.plan)
 app.command()(jobs.status)
 app.command()(jobs.cancel)
+app.command()(jobs.drain)
 app.command()(jobs.export)
+app.command()(join_cmd.join)
+app.command()(metrics.export_metrics)
 app.add_typer(testbed_cmd.app, name="testbed")
 app.add_typer(keys.app, name="keys")
+app.add_typer(deploy_cmd.app, name="deploy")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `asteroid`: the app, with usage and settings errors as one line.
+
+    Click's own report of a bad option is a usage block (a framed panel with
+    rich); here it is "asteroid CMD: error: ..." on stderr and exit code 2,
+    like every `asteroid-<service>`.
+    """
+    try:
+        code = app(args=argv, prog_name="asteroid", standalone_mode=False)
+    except typer.TyperException as exc:  # click's errors, as typer ships it
+        ctx = getattr(exc, "ctx", None)
+        text = exc.format_message()
+        if "\n" in text.strip() or not text.strip():  # the help, for a group with no command
+            typer.echo(text, err=True, nl=False)
+        else:
+            where = ctx.command_path if ctx is not None else "asteroid"
+            typer.echo(f"{where}: error: {' '.join(text.split())}", err=True)
+        code = exc.exit_code
+    except typer.Abort:
+        typer.echo("asteroid: aborted", err=True)
+        code = int(ExitCode.FAILED)
+    except ValidationError as exc:
+        if not is_settings_error(exc):
+            raise
+        typer.echo(f"asteroid: error: {error_line(exc)}", err=True)
+        code = int(ExitCode.CONFIG)
+    sys.exit(code if isinstance(code, int) else 0)

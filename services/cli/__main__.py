@@ -1,5 +1,5 @@
 """`python -m services.cli` is `asteroid`."""
 
-from services.cli import app
+from services.cli import main
 
-app(prog_name="asteroid")
+main()

@@ -122,10 +122,19 @@ def load_checked(path: Path, workers: int) -> JobSpec:
 
 
 def submit_and_follow(
-    coordinator: str, redis_url: str, cluster: str, job: JobSpec, console: Console
+    coordinator: str,
+    redis_url: str,
+    cluster: str,
+    job: JobSpec,
+    console: Console,
+    replace: bool = False,
 ) -> JobView:
-    """Submit `job` (the coordinator may still be starting) and follow it to its end."""
-    reply = ask_coordinator(coordinator, SubmitJob(job=job), timeout_s=60)
+    """Submit `job` (the coordinator may still be starting) and follow it to its end.
+
+    With `replace`, an earlier run of the same job id (the state directory keeps
+    it) is deleted first, as `asteroid train --replace` does.
+    """
+    reply = ask_coordinator(coordinator, SubmitJob(job=job, replace=replace), timeout_s=60)
     if not reply.ok:
         raise ConfigError(reply.error)
     store = Store(redis_url, cluster)

@@ -1,15 +1,17 @@
-"""`asteroid train | status | cancel | export`: jobs on a running coordinator.
+"""`asteroid train | status | cancel | drain | export`: jobs on a running coordinator.
 
 Submission and cancelling go to the coordinator over ZeroMQ; following,
 status and export read Redis. A bad job spec is refused before anything is
-sent, with one error naming the field.
+sent, with one error naming the field. What pulls in torch (job specs, the
+wire codec, weight export) is imported inside the commands, so `asteroid
+--help` does not load it.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 from rich.console import Console
@@ -17,17 +19,15 @@ from rich.table import Table
 
 from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
-from common.export import export_weights
-from common.job import check_job_id, load_job
-from common.messages import CancelJob, SubmitJob
+from common.ids import DeviceId
 from common.secrets import mask_text
 from common.settings import CommonSettings
 from common.store import Store
-from services.cli.client import ask_coordinator
-from services.cli.follow import JobView, follow
-from services.coordinator.checks import check_job
 
-__all__ = ["cancel", "export", "status", "store_from", "train", "view_exit_code"]
+if TYPE_CHECKING:
+    from services.cli.follow import JobView
+
+__all__ = ["cancel", "drain", "export", "status", "store_from", "train", "view_exit_code"]
 
 console = Console()
 
@@ -53,9 +53,24 @@ def _settings(coordinator: str | None, redis_url: str | None, cluster: str | Non
     return CommonSettings(**overrides)
 
 
+LOCATE_PATIENCE_S = 10.0
+"""Longest the CLI waits for the coordinator to say where Redis is."""
+
+
 def store_from(redis_url: str | None, cluster: str | None) -> Store:
-    """The store the options (or ASTEROID_* variables) name, checked to answer."""
+    """The store the options (or ASTEROID_* variables) name, checked to answer.
+
+    With no Redis URL but a coordinator or a key set configured, the
+    coordinator says where Redis is, and the key set's `operator` password
+    logs in (`common.locate`); with neither, the default URL is used.
+    """
     s = _settings(None, redis_url, cluster)
+    if "redis_url" not in s.model_fields_set and {"coordinator", "keys"} & s.model_fields_set:
+        from common.curve import load_keys
+        from common.locate import with_redis
+
+        keys = load_keys(s.keys, "operator")
+        s = with_redis(s, keys, "operator", patience_s=LOCATE_PATIENCE_S)
     store = Store(s.redis_url, s.cluster)
     store.ping()
     return store
@@ -90,6 +105,12 @@ def train(
     reply_timeout: ReplyTimeout = 15.0,
 ) -> None:
     """Submit a job to a running coordinator and follow its progress."""
+    from common.job import load_job
+    from common.messages import SubmitJob
+    from services.cli.client import ask_coordinator
+    from services.cli.follow import follow
+    from services.coordinator.checks import check_job
+
     s = _settings(coordinator, redis_url, cluster)
     try:
         job = load_job(job_file)
@@ -123,6 +144,10 @@ def cancel(
     reply_timeout: ReplyTimeout = 15.0,
 ) -> None:
     """Cancel a queued or running job (it stops at the next round boundary)."""
+    from common.job import check_job_id
+    from common.messages import CancelJob
+    from services.cli.client import ask_coordinator
+
     s = _settings(coordinator, None, None)
     try:
         check_job_id(job_id, "the command line")
@@ -134,6 +159,43 @@ def cancel(
     console.print(f"job {job_id}: cancel requested")
 
 
+def drain(
+    device: Annotated[str, typer.Argument(help="The device whose work moves away.")],
+    coordinator: CoordinatorOpt = None,
+    reply_timeout: ReplyTimeout = 15.0,
+) -> None:
+    """Move a device's work to the others at the next round boundary, then let it go.
+
+    Nothing is replayed: the running job re-plans without it at the round it
+    committed and the device's layers move to the others, peer to peer.
+    """
+    from common.messages import DrainDevice
+    from services.cli.client import ask_coordinator
+
+    s = _settings(coordinator, None, None)
+    try:
+        reply = ask_coordinator(s.coordinator, DrainDevice(target=DeviceId(device)), reply_timeout)
+    except AsteroidError as exc:
+        raise _fail(exc) from exc
+    if not reply.ok:
+        raise _fail(ConfigError(reply.error))
+    console.print(f"device {device}: drain requested (job {reply.job_id})")
+
+
+DEVICE_COLUMNS = (
+    "device",
+    "heartbeat",
+    "state",
+    "stage",
+    "round",
+    "memory",
+    "threads",
+    "version",
+    "kind",
+)
+"""The devices table's columns; version is the worker's release, from its heartbeats."""
+
+
 def _age(seen: float | None) -> str:
     if seen is None:
         return "-"
@@ -143,7 +205,7 @@ def _age(seen: float | None) -> str:
 def devices_table(store: Store) -> Table:
     """Every worker that ever joined this cluster, freshest first."""
     table = Table(title="devices")
-    for col in ("device", "heartbeat", "state", "stage", "round", "memory", "threads", "kind"):
+    for col in DEVICE_COLUMNS:
         table.add_column(col)
     rows = []
     for key in store.keys("device", ""):
@@ -159,6 +221,7 @@ def devices_table(store: Store) -> Table:
             str(d.get("round", "-")),
             f"{budget / (1 << 30):.2f} GiB" if budget else "-",
             str(d.get("threads", "-")),
+            str(d.get("version") or "-"),
             str(d.get("fingerprint", "")),
         )
     return table
@@ -193,6 +256,8 @@ def status(
     cluster: ClusterOpt = None,
 ) -> None:
     """Devices (heartbeat age, stage, memory) and jobs (state, round, samples/s)."""
+    from common.job import check_job_id
+
     try:
         if job is not None:
             check_job_id(job, "the command line")
@@ -220,6 +285,9 @@ def export(
     cluster: ClusterOpt = None,
 ) -> None:
     """Write a job's checkpointed weights to a file plain PyTorch loads into the zoo model."""
+    from common.export import export_weights
+    from common.job import check_job_id
+
     try:
         check_job_id(job_id, "the command line")
         store = store_from(redis_url, cluster)

@@ -4,33 +4,38 @@
 training one job); `demo` does the same for the example job and then
 reports: the plan, where each stage's time went, measured throughput next
 to the simulator's, the timeline picture and the exported weights. Either
-way every child process is stopped on the way out.
+way every child process is stopped on the way out. The embedded Redis keeps
+its append-only file in a state directory, so what a run committed is still
+there when the next one starts.
+
+Imports that pull in torch wait inside the commands, so `asteroid --help`
+stays quick on a small device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
-from common.export import export_weights
-from common.job import JobSpec
+from common.embedded_redis import EmbeddedRedis, default_state_dir
 from common.secrets import mask_url
-from common.store import Store
-from services.cli.follow import load_checked, submit_and_follow
+from services.cli.example_files import DEMO_JOB, example_path
 from services.cli.foreground import STOP, foreground
-from services.cli.jobs import view_exit_code
-from services.cli.plan import plan_table
-from services.cli.report import job_report, stage_table, summary_table
 from services.launcher import LocalStack
 
-__all__ = ["DEMO_JOB", "demo", "up"]
+if TYPE_CHECKING:
+    from common.job import JobSpec
+    from common.store import Store
+
+__all__ = ["demo", "up"]
 
 console = Console()
-DEMO_JOB = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "job-demo.yaml"
 
 
 Workers = Annotated[int, typer.Option(min=1, max=16, help="Worker processes to start.")]
@@ -40,6 +45,25 @@ RedisUrl = Annotated[
     str | None, typer.Option(help="Use this Redis instead of starting an embedded one.")
 ]
 Cluster = Annotated[str, typer.Option(help="Key prefix of this cluster in Redis.")]
+StateDir = Annotated[
+    Path | None,
+    typer.Option(
+        help="Folder for the embedded Redis's append-only file "
+        "(default $XDG_STATE_HOME/asteroid/redis); unused with --redis-url."
+    ),
+]
+
+
+@contextlib.contextmanager
+def _redis(redis_url: str | None, state_dir: Path | None) -> Iterator[str]:
+    """The Redis URL to use: `redis_url`, else an embedded Redis persisting to `state_dir`."""
+    if redis_url is not None:
+        yield redis_url
+        return
+    folder = state_dir or default_state_dir()
+    with EmbeddedRedis(state_dir=folder) as server:
+        console.print(f"embedded Redis keeps its data in {folder}/")
+        yield server.url
 
 
 def up(
@@ -49,11 +73,18 @@ def up(
     logs: Logs = Path("asteroid-logs"),
     redis_url: RedisUrl = None,
     cluster: Cluster = "local",
+    state_dir: StateDir = None,
 ) -> None:
     """Run a whole local cluster in the foreground until Ctrl-C (or until --job ends)."""
+    from services.cli.follow import load_checked, submit_and_follow
+    from services.cli.jobs import view_exit_code
+
     with foreground(console, "interrupted; every process of the cluster is stopped"):
         spec = load_checked(job, workers) if job else None
-        with LocalStack(workers, logs, redis_url, cluster, threads) as stack:
+        with (
+            _redis(redis_url, state_dir) as url,
+            LocalStack(workers, logs, url, cluster, threads) as stack,
+        ):
             shown = mask_url(stack.redis_url)  # a --redis-url password stays off the screen
             console.print(
                 f"cluster up: coordinator {stack.coordinator}, Redis {shown}, "
@@ -76,24 +107,40 @@ def up(
 def demo(
     workers: Workers = 4,
     threads: Threads = 1,
-    job: Annotated[Path, typer.Option(help="Job spec (YAML).")] = DEMO_JOB,
+    job: Annotated[
+        Path | None,
+        typer.Option(
+            help=f"Job spec (YAML); default: the shipped {DEMO_JOB} (`asteroid examples` "
+            "writes it out to edit)."
+        ),
+    ] = None,
     out: Annotated[Path, typer.Option(help="Folder for the timeline, weights and logs.")] = Path(
         "demo-output"
     ),
     redis_url: RedisUrl = None,
     cluster: Cluster = "demo",
+    state_dir: StateDir = None,
 ) -> None:
     """The quick start: a local cluster trains the example job, reports, and stops."""
+    from common.store import Store
+    from services.cli.follow import load_checked, submit_and_follow
+    from services.cli.jobs import view_exit_code
+
     t0 = time.monotonic()
     with foreground(console, "interrupted; every process of the demo is stopped"):
-        spec = load_checked(job, workers)
-        with LocalStack(workers, out / "logs", redis_url, cluster, threads) as stack:
+        with example_path(DEMO_JOB) if job is None else contextlib.nullcontext(job) as path:
+            spec = load_checked(path, workers)
+        with (
+            _redis(redis_url, state_dir) as url,
+            LocalStack(workers, out / "logs", url, cluster, threads) as stack,
+        ):
             console.print(
                 f"[bold]Asteroid-Edge demo[/bold]: Redis, coordinator, planner, profiler and "
                 f"{workers} workers as separate processes (logs in {out}/logs)"
             )
+            # the quick start trains its example afresh: an earlier demo's run is replaced
             view = submit_and_follow(
-                stack.coordinator, stack.redis_url, stack.cluster, spec, console
+                stack.coordinator, stack.redis_url, stack.cluster, spec, console, replace=True
             )
             if view.state != "finished":
                 console.print(f"[red]job {view.state}[/red]: {view.error}")
@@ -104,6 +151,9 @@ def demo(
 
 def _report(store: Store, job: JobSpec, out: Path) -> None:
     """Print the plan and the measured-versus-simulated summary; write timeline and weights."""
+    from common.export import export_weights
+    from services.cli.plan import plan_table
+    from services.cli.report import job_report, stage_table, summary_table
     from services.planner.timeline import draw_timeline
 
     try:

@@ -4,7 +4,9 @@
 runs the services on it in the foreground until Ctrl-C, or until `--job`
 ends; `down` removes whatever crashed runs left (namespaces, links, cgroups,
 processes); `status` shows every testbed found. Exit codes:
-`common.exit_codes.ExitCode` (CONFIG when not root).
+`common.exit_codes.ExitCode` (CONFIG when not root). The testbed package
+(and through job specs, torch) is imported inside the commands, so
+`asteroid --help` does not load it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
@@ -20,15 +22,16 @@ from rich.console import Console
 from rich.table import Table
 
 from common.errors import ConfigError
-from common.job import validation_message
-from services.cli.follow import load_checked, submit_and_follow
 from services.cli.foreground import STOP, foreground
-from services.cli.jobs import view_exit_code
-from services.testbed.bed import Testbed, require_root
-from services.testbed.spec import PRESETS, TestbedSpec, load_testbed, preset
-from services.testbed.survey import cleanup_leftovers, status
 
-__all__ = ["app"]
+if TYPE_CHECKING:
+    from services.testbed.bed import Testbed
+    from services.testbed.spec import TestbedSpec
+
+__all__ = ["PRESET_NAMES", "app"]
+
+PRESET_NAMES = ("env-a", "env-b", "env-c", "env-d", "galaxy-d", "galaxy-e", "galaxy-f")
+"""The names of `services.testbed.spec.PRESETS`, for the help text (a test keeps them equal)."""
 
 app = typer.Typer(
     help="Emulated edge devices on this machine: namespaces, shaped links, cgroups (root).",
@@ -39,6 +42,9 @@ MiB = 1 << 20
 
 
 def _spec(preset_name: str | None, file: Path | None, link: str, subnet: str | None) -> TestbedSpec:
+    from common.errors import validation_message
+    from services.testbed.spec import TestbedSpec, load_testbed, preset
+
     if preset_name and file:
         raise ConfigError("give --preset or --file, not both")
     spec = load_testbed(file) if file is not None else preset(preset_name or "env-a", link)
@@ -72,7 +78,8 @@ def _devices_table(tb: Testbed) -> Table:
 
 
 Preset = Annotated[
-    str | None, typer.Option("--preset", help=f"Environment: {', '.join(PRESETS)} (default env-a).")
+    str | None,
+    typer.Option("--preset", help=f"Environment: {', '.join(PRESET_NAMES)} (default env-a)."),
 ]
 File = Annotated[Path | None, typer.Option("--file", help="A testbed YAML instead of a preset.")]
 Link = Annotated[str, typer.Option(help="Link rate of a preset's devices: 100mbit or 1gbit.")]
@@ -97,6 +104,10 @@ def up(
     threads: Annotated[int, typer.Option(min=1, help="Torch threads per worker.")] = 1,
 ) -> None:
     """Build the testbed and run the services on it until Ctrl-C (or until --job ends)."""
+    from services.cli.follow import load_checked, submit_and_follow
+    from services.cli.jobs import view_exit_code
+    from services.testbed.bed import Testbed, require_root
+
     with foreground(console, "interrupted; the testbed is removed"):
         require_root()
         spec = _spec(preset_name, file, link, subnet)
@@ -131,6 +142,9 @@ def down(
     ] = "",
 ) -> None:
     """Remove every testbed on this machine (crashed runs' leftovers), saying what went."""
+    from services.testbed.bed import require_root
+    from services.testbed.survey import cleanup_leftovers
+
     with foreground(console, "interrupted; the testbed is removed"):
         require_root()
         removed = cleanup_leftovers(tag)
@@ -143,6 +157,9 @@ def _short(process: str) -> str:
     """A process as pid and service name, so the table stays narrow (e.g. "1234 worker")."""
     pid, _, cmd = process.partition(" ")
     words = cmd.split()
+    scripts = [Path(w).name for w in words[:2] if Path(w).name.startswith("asteroid-")]
+    if scripts:  # a service's installed command, run by its interpreter
+        return f"{pid} {scripts[0].removeprefix('asteroid-')}"
     if "-m" in words[:-1] and words[words.index("-m") + 1].startswith("services."):
         return f"{pid} {words[words.index('-m') + 1].split('.')[1]}"
     return f"{pid} {' '.join(Path(w).name if i == 0 else w for i, w in enumerate(words[:3]))}"
@@ -151,6 +168,9 @@ def _short(process: str) -> str:
 @app.command("status")
 def status_cmd() -> None:
     """Show every testbed: namespaces, links with their shaping, cgroups, processes."""
+    from services.testbed.bed import require_root
+    from services.testbed.survey import status
+
     with foreground(console, "interrupted; the testbed is removed"):
         require_root()
         found = status()

@@ -1,53 +1,71 @@
-"""One job from submission to its end: profiling, planning, rounds, evaluation, checkpoints.
+"""One job from submission to its end: the shell around the job's pure core.
 
-`JobRun` records every lifecycle transition in Redis (`job:<id>` hash and
-the `events` stream) and every committed round in the `metrics` stream.
-Rounds are committed only when every device reported; a cancel takes effect
-at the next round boundary, so no half-applied round survives it.
+Profiling and planning come first (`_plan`); from the assignment on, every
+decision is `driver.apply`'s, and `JobRun` only carries its commands out and
+feeds it events: it owns the coordinator's ROUTER (through `Coordinator.events`
+and `send`), Redis (every write waits out an outage, `Coordinator.durable`)
+and the clock. It records every lifecycle transition in Redis (`job:<id>`
+hash and the `events` stream) and every committed round in the `metrics` and
+`ledger` streams. Rounds are committed only when every device reported; a
+cancel takes effect at the next round boundary, so no half-applied round
+survives it.
 """
 
 from __future__ import annotations
 
-import math
 import time
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from common.checkpoint import check_replicas, commit_checkpoint, latest_round, save_stage
-from common.errors import AsteroidError, CheckpointError, ConfigError, StoreUnavailable
+from common.checkpoint import commit_checkpoint, latest_round, save_stage
+from common.errors import AsteroidError, ConfigError, StoreUnavailable
 from common.ids import DeviceId
 from common.job import JobSpec
-from common.job_data import eval_size, sample_indices, train_size
-from common.ledger import rollback_entry, round_entry
+from common.job_data import train_size
 from common.lifecycle import TERMINAL, JobState, advance
 from common.logging import bind_global, get_logger
-from common.messages import (
-    Assign,
-    Assigned,
-    CheckpointSaved,
-    EvalDone,
-    PlanRequest,
-    RoundDone,
-    RunEval,
-    RunRound,
-    SaveCheckpoint,
-)
+from common.messages import LinksMeasured, PlanRequest
 from common.plan import Plan
 from common.profile import ClusterSpec, load_profiles
 from common.secrets import mask_text
 from common.store import OUTAGE
 from common.zoo import build_model
+from services.coordinator import driver, links
+from services.coordinator.core import Beats, Heard, Log, SendProbe
+from services.coordinator.driver import (
+    Append,
+    Capacities,
+    CheckpointFound,
+    CheckStore,
+    Command,
+    CommitCheckpoint,
+    EpochRaised,
+    Event,
+    PlanAgain,
+    PlanFailed,
+    PlanReady,
+    Publish,
+    RaiseEpoch,
+    ReadCapacities,
+    ReadCheckpoint,
+    Record,
+    RequestPlan,
+    Run,
+    Send,
+    SetAssigned,
+    StorePlan,
+)
 from services.coordinator.membership import Members
+from services.coordinator.metrics_stream import MetricsStream
 from services.coordinator.profiling import cluster_for, profile_budgets, profile_workers
 from services.coordinator.recovery import (
     MemoryInputs,
     RecoveryImpossible,
     capacities,
     memory_inputs,
-    survivors_plan,
 )
 
 if TYPE_CHECKING:
@@ -58,6 +76,8 @@ __all__ = ["DeviceLost", "JobCancelled", "JobFailed", "JobRun", "JobSummary"]
 log = get_logger(__name__)
 LEDGER_MAX = 1_000_000
 """Entries the sample ledger keeps (one per committed round and recovery)."""
+STREAM_MAX = 10_000
+"""Entries the events stream keeps (the store's default cap)."""
 
 
 class JobFailed(AsteroidError):
@@ -65,11 +85,7 @@ class JobFailed(AsteroidError):
 
 
 class DeviceLost(JobFailed):
-    """Devices of the running plan are gone (dead after an unanswered probe, or hung).
-
-    The job recovers from it on the survivors when its spec allows, else fails
-    with this message.
-    """
+    """Devices are gone (dead after an unanswered probe, or hung), outside a job's core."""
 
     def __init__(self, devices: list[DeviceId], why: str) -> None:
         super().__init__(why)
@@ -98,12 +114,21 @@ class JobSummary:
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     """One record per recovery: devices lost, round resumed from, rounds replayed, seconds."""
 
-    def rollback(self, start: int, to_round: int) -> None:
-        """Forget what rounds `to_round` and later reported (they are replayed)."""
-        keep = max(0, to_round - start)
-        del self.losses[keep:], self.accuracies[keep:], self.round_s[keep:]
-        self.checkpoints = [c for c in self.checkpoints if c <= to_round]
-        self.evals = [e for e in self.evals if e[0] <= to_round]
+    @classmethod
+    def of(cls, job_id: str, rounds: int, s: driver.Summary) -> JobSummary:
+        """The core's summary, as callers read it."""
+        return cls(
+            job_id=job_id,
+            rounds=rounds,
+            losses=list(s.losses),
+            accuracies=list(s.accuracies),
+            round_s=list(s.round_s),
+            max_alive=dict(s.max_alive),
+            peak_bytes=dict(s.peak_bytes),
+            checkpoints=list(s.checkpoints),
+            evals=list(s.evals),
+            recoveries=[dict(r) for r in s.recoveries],
+        )
 
 
 class JobRun:
@@ -114,10 +139,15 @@ class JobRun:
         self.total = total_rounds or job.total_rounds()
         self.state: JobState = "submitted"
         self.store = coord.store
-        self.committed = 0
-        """Rounds committed so far (the next round's number), for what a recovery replays."""
         self.train_size = train_size(job)
         """Samples of the training set (None: unbounded), for the sample ledger."""
+        root = coord.settings.metrics_dir
+        self.stream: MetricsStream | None = None
+        """Files the committed metrics are copied to as they are recorded (`metrics_dir`)."""
+        if root is not None:
+            self.stream = MetricsStream(
+                root, self.jid, partial(self.store.read, "metrics", self.jid)
+            )
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -136,8 +166,12 @@ class JobRun:
         else:
             self.coord.durable(f"recording job state {to}", write)
 
-    def run(self, plan: Plan | None = None, resume: bool = False) -> JobSummary:
+    def run(self, plan: Plan | None = None, resume: bool = False, committed: int = 0) -> JobSummary:
         """Run the job to its end; with `plan`, skip profiling and planning.
+
+        With `resume` and `committed` rounds recorded by an earlier coordinator,
+        its stored plan is used and devices are asked to keep the state of that
+        round (`_train`).
 
         Raises:
             JobFailed, JobCancelled, ConfigError: after recording the end state.
@@ -146,9 +180,11 @@ class JobRun:
         bind_global(job=self.jid)
         self.coord.running = self.jid
         try:
+            if plan is None and resume and committed:
+                plan = self._stored_plan()
             if plan is None:
                 plan = self._plan()
-            return self._train(plan, resume)
+            return self._train(plan, resume, committed)
         except JobCancelled as exc:
             self.record("cancelled", reason=str(exc))
             raise
@@ -164,6 +200,8 @@ class JobRun:
             raise
         finally:
             self.coord.running = None
+            if self.stream is not None:
+                self.stream.close()
 
     def _plan(self) -> Plan:
         """Profile the workers' devices (cached profiles reused), then ask the planner."""
@@ -171,10 +209,21 @@ class JobRun:
         coord.wait_for_count(self.job.min_workers, coord.settings.join_timeout_s)
         members = coord.alive()
         self.record("profiling", workers=sorted(members))
-        return self._planned(members, "planning")
+        return self._planned(members, "planning")[0]
 
-    def _planned(self, members: Members, state: JobState | None) -> Plan:
-        """The planner's plan for `members` (profiled first; cached profiles reused)."""
+    def _planned(
+        self,
+        members: Members,
+        state: JobState | None,
+        current: Plan | None = None,
+        slowdowns: Mapping[DeviceId, float] | None = None,
+    ) -> tuple[Plan, float]:
+        """The planner's plan for `members` (profiled first; cached profiles reused).
+
+        The links are measured first unless the cluster spec gives them; each
+        device's profiled times are multiplied by its measured `slowdowns`; with
+        `current`, also the planner's prediction of it on the same cluster (0: none).
+        """
         job, coord = self.job, self.coord
         if job.global_batch is None:
             raise ConfigError("global_batch: required when the planner makes the plan")
@@ -182,7 +231,10 @@ class JobRun:
         keys = profile_workers(coord, job, members)
         base = coord.cluster_base()
         budgets = profile_budgets(coord, keys)
-        cluster = cluster_for(members, keys, budgets, base, settings.link_bandwidth)
+        measured = None if base is not None and base.links else self._measure_links(members)
+        cluster = cluster_for(
+            members, keys, budgets, base, settings.link_bandwidth, measured, slowdowns
+        )
         self.store.put_json(cluster.model_dump(mode="json"), "cluster", self.jid)
         if state is not None:
             self.record(state, planner=job.planner)
@@ -193,12 +245,88 @@ class JobRun:
             profiles=sorted(set(keys.values())),
             global_batch=job.global_batch,
             microbatches=job.microbatches or 1,
+            current=current,
         )
-        return coord.request_plan(req, settings.plan_timeout_s)
+        return coord.request_scored_plan(req, settings.plan_timeout_s)
 
-    # --- training --------------------------------------------------------------
+    def _measure_links(self, members: Members) -> dict[str, float]:
+        """Measure each pair of `members` in turn, store the matrix; bytes/s by pair.
 
-    def _train(self, plan: Plan, resume: bool) -> JobSummary:
+        Done in the shell the way profiling is: each request waits through
+        `Coordinator.request`, which keeps pumping heartbeats (and honours a
+        cancel) meanwhile; a pair that fails or times out is left to the
+        fallback bandwidth, never fails the job. Runs only before a plan (a
+        job's start, a re-plan at a round boundary), never inside a round.
+        """
+        coord, settings = self.coord, self.coord.settings
+        rates: dict[str, float] = {}
+        errors: dict[str, str] = {}
+        if settings.link_probe_bytes > 0:
+            for prober, target in links.pairs(members):
+                got, why = self._measure_pair(members, prober, target)
+                rates.update(got)
+                errors.update(why)
+        matrix = links.LinkMatrix(
+            measured_at=time.time(), devices=sorted(members), links=rates, errors=errors
+        )
+        doc = matrix.model_dump(mode="json")
+        coord.durable("storing the link matrix", lambda: self.store.put_json(doc, *links.LINKS_KEY))
+        missing = links.unmeasured(members, rates)
+        log.info("links measured", pairs=len(rates), links={k: round(v) for k, v in rates.items()})
+        if missing:
+            log.warning(
+                "links not measured: the planner assumes the fallback bandwidth for them",
+                pairs=missing,
+                bandwidth=settings.link_bandwidth,
+                why={k: errors.get(k, "measuring is off (link_probe_bytes 0)") for k in missing},
+            )
+        return rates
+
+    def _measure_pair(
+        self, members: Members, prober: DeviceId, target: DeviceId
+    ) -> tuple[dict[str, float], dict[str, str]]:
+        """Ask `prober` to measure its link to `target`'s sink: (rates, errors) by pair."""
+        coord, settings = self.coord, self.coord.settings
+        key = links.pair_key(prober, target)
+        addr = members[target].info.link_addr
+        if not addr:
+            return {}, {key: f"worker {target} advertises no bandwidth sink"}
+        nonce = coord.link_nonce(prober)
+        req = links.request(
+            nonce, target, addr, settings.link_probe_bytes, settings.link_probe_timeout_s
+        )
+        try:
+            reply = coord.request(
+                prober,
+                req,
+                lambda m: isinstance(m, LinksMeasured) and m.nonce == nonce,
+                settings.link_probe_timeout_s + links.REPLY_SLACK_S,
+                what=f"measurement of its link to {target}",
+            )
+        except JobCancelled:
+            raise
+        except JobFailed as exc:  # no answer in time: this pair falls back
+            return {}, {key: str(exc)}
+        finally:
+            coord.links_pending.discard((prober, nonce))
+        return links.answer(req, reply)
+
+    # --- training: the core's shell -------------------------------------------
+
+    def _stored_plan(self) -> Plan | None:
+        """The plan the job last ran on, if Redis has one."""
+        stored = self.coord.durable(
+            "reading the plan", lambda: self.store.get_json("plan", self.jid)
+        )
+        return None if stored is None else Plan.model_validate(stored)
+
+    def _train(self, plan: Plan, resume: bool, committed: int = 0) -> JobSummary:
+        """Prepare the first assignment, then let the core run the job to its end.
+
+        Resumed after `committed` rounds newer than the newest checkpoint, the
+        devices keep the state they hold of that round (they outlive a
+        coordinator); any that cannot sends the job back to the checkpoint.
+        """
         job, jid, coord = self.job, self.jid, self.coord
         model = build_model(job.model, job.seed, coord.settings.model_modules).full()
         plan.validate_for(len(model))
@@ -212,6 +340,9 @@ class JobRun:
             if resume
             else None
         )
+        from_peers = start is not None and committed > start
+        if from_peers:
+            start = committed
         if start is None:
             start = 0
 
@@ -220,124 +351,145 @@ class JobRun:
                 commit_checkpoint(store, jid, 0, len(model))
 
             coord.durable("saving the initial weights", initial)
-        self.committed = start
-        epoch = self._assign_all(plan, start)
-        self.record("running", epoch=epoch, round=start, total_rounds=self.total)
-        summary = JobSummary(job_id=jid, rounds=self.total)
-        if job.eval_every and start == 0:
-            self._evaluate(plan, epoch, 0, summary)  # the baseline the gain is measured from
-        r = start
-        lost: DeviceLost | None = None  # devices lost since the last recovery that succeeded
-        while r < self.total:
-            bind_global(round=r)
-            coord.check_cancelled(jid)
-            try:
-                if lost is not None:
-                    plan, epoch, r = self._recover(plan, lost, r, start, summary, len(model))
-                    lost = None
-                    continue
-                self._step(plan, epoch, r, summary, model)
-            except DeviceLost as more:  # another loss during a recovery adds to the first
-                if job.recovery == "none":
-                    raise
-                lost = (
-                    more
-                    if lost is None
-                    else DeviceLost([*lost.devices, *more.devices], f"{lost}; {more}")
-                )
-                continue
-            r += 1
-        self.record("finished", round=self.total)
-        return summary
+        s = coord.settings
+        limits = driver.Limits(
+            round_timeout_s=s.round_timeout_s,
+            heartbeat_deadline_s=s.heartbeat_s * s.heartbeat_misses,
+            probe_timeout_s=s.probe_timeout_s,
+            hung_min_s=s.hung_min_s,
+            hung_factor=s.hung_factor,
+        )
+        costs, _, memory = coord.durable("reading the job's profiles", self._capacities)
+        run, commands = driver.start(
+            job,
+            self.total,
+            len(model),
+            self.train_size,
+            limits,
+            plan,
+            start,
+            from_peers,
+            costs,
+            memory,
+        )
+        run, more = driver.apply(run, Beats(coord.members), time.monotonic())
+        run = self._carry_out(run, [*commands, *more])
+        run = self._drive(run)
+        if run.phase == "cancelled":
+            raise JobCancelled(run.outcome)
+        if run.phase == "failed":
+            raise JobFailed(run.outcome)
+        return JobSummary.of(jid, self.total, run.summary)
 
-    def _step(
-        self, plan: Plan, epoch: int, r: int, summary: JobSummary, model: nn.Sequential
-    ) -> None:
-        """Round `r`, then the evaluation and checkpoint due after it."""
-        job = self.job
-        self._round(plan, epoch, r, summary, model)
-        done = r + 1
-        if done == self.total or (job.eval_every and done % job.eval_every == 0):
-            self._evaluate(plan, epoch, done, summary)
-        if done == self.total or (job.checkpoint_every and done % job.checkpoint_every == 0):
-            self._checkpoint(plan, epoch, done, len(model))
-            summary.checkpoints.append(done)
-
-    # --- recovery --------------------------------------------------------------
-
-    def _recover(
-        self,
-        plan: Plan,
-        lost: DeviceLost,
-        r: int,
-        start: int,
-        summary: JobSummary,
-        layers: int,
-    ) -> tuple[Plan, int, int]:
-        """Go on without the lost devices: a new plan, every stage from one version, replay.
-
-        The round in flight is abandoned on every device (the new assignment aborts
-        it, including groups that already stepped for it), and every stage resumes
-        from the newest committed checkpoint v in Redis, so rounds v..r are replayed
-        with the same samples: N committed rounds stay N single-device steps.
-        Returns the new plan, its epoch and the round to run next.
-        """
-        job, coord, jid = self.job, self.coord, self.jid
-        t0 = time.monotonic()
-        gone = set(lost.devices)
-        log.warning("devices lost; recovering", lost=lost.devices, round=r, reason=str(lost))
-        if self.state != "recovering":
-            self.record("recovering", lost=lost.devices, round=r, reason=str(lost))
-        survivors = [d for d in plan.devices if d not in gone]
+    def _drive(self, run: Run) -> Run:
+        """Feed the core what the network brings until the job ends."""
+        coord = self.coord
+        coord.collecting = True
         try:
-            if job.recovery == "heavy":  # the full planner, on every live device but the lost
-                members = {d: m for d, m in coord.alive().items() if d not in gone}
-                new_plan = self._planned(members, None)
-            else:
-                costs, speeds, memory = self._capacities()
-                new_plan = survivors_plan(plan, gone, costs, speeds, memory)
-            new_plan.validate_for(layers)
-        except (RecoveryImpossible, ConfigError) as exc:
-            raise JobFailed(f"{lost}; cannot re-plan on {survivors}: {exc}") from exc
-        version = coord.durable("finding the checkpoint", lambda: latest_round(self.store, jid))
-        if version is None:
-            raise JobFailed(f"{lost}; no checkpoint of job {jid} to resume the survivors from")
-        replayed = self.committed - version  # committed rounds that run again
-        coord.durable(
-            "recording the rollback",
-            lambda: self.store.append(
-                "ledger", jid, rollback_entry(version, [str(d) for d in gone]), maxlen=LEDGER_MAX
-            ),
-        )
-        coord.durable(
-            "storing the plan",
-            lambda: self.store.put_json(new_plan.model_dump(mode="json"), "plan", jid),
-        )
-        coord.assigned = frozenset(new_plan.devices)
-        epoch = self._assign_all(new_plan, version)
-        self.committed = version
-        summary.rollback(start, version)
-        seconds = time.monotonic() - t0
-        record = {
-            "lost": [str(d) for d in lost.devices],
-            "reason": str(lost),
-            "failed_round": r,
-            "from_round": version,
-            "replayed": replayed,
-            "seconds": round(seconds, 3),
-            "recovery": job.recovery,
-            "stages": [
-                [st.start, st.end, [str(a.device) for a in st.devices]] for st in new_plan.stages
-            ],
-        }
-        summary.recoveries.append(record)
-        coord.durable(
-            "recording the recovery",
-            lambda: self.store.append("events", jid, {"event": "recovered", **record}),
-        )
-        self.record("running", epoch=epoch, round=version, total_rounds=self.total)
-        log.info("recovered", **record)
-        return new_plan, epoch, version
+            while not run.ended:
+                for event in coord.events():
+                    run = self._feed(run, event)
+                    if run.ended:
+                        break
+                reason = coord.cancelled.pop(self.jid, None)
+                if reason is not None:
+                    run = self._feed(run, driver.Cancelled(reason))
+                while coord.drains:
+                    device, why = coord.drains.popitem()
+                    run = self._feed(run, driver.Drain(device, why))
+        finally:
+            coord.collecting = False
+        return run
+
+    def _feed(self, run: Run, event: Event) -> Run:
+        run, commands = driver.apply(run, event, time.monotonic())
+        run = self._carry_out(run, commands)
+        bind_global(round=run.step, phase=run.phase)  # log lines name where the job is
+        return run
+
+    def _carry_out(self, run: Run, commands: list[Command]) -> Run:
+        """Do what the core asked, in order; feed back what a command answers.
+
+        A command that answers (RaiseEpoch, ReadCapacities, ReadCheckpoint,
+        RequestPlan, PlanAgain) is always the last of its list, so its answer's commands
+        simply follow.
+        """
+        todo = deque(commands)
+        while todo:
+            answer = self._do(todo.popleft())
+            if answer is not None:
+                run, more = driver.apply(run, answer, time.monotonic())
+                todo.extend(more)
+        return run
+
+    def _do(self, cmd: Command) -> Event | None:
+        """Carry out one command; the event it answers with, if any."""
+        coord, store, jid = self.coord, self.store, self.jid
+        if isinstance(cmd, Send):
+            coord.send(cmd.device, cmd.msg)
+        elif isinstance(cmd, SendProbe | Heard | Log):
+            coord.carry_out(cmd)
+        elif isinstance(cmd, Record):
+            self.record(cmd.state, **cmd.fields)
+        elif isinstance(cmd, Publish):
+            self._publish(cmd)
+        elif isinstance(cmd, Append):
+            maxlen = LEDGER_MAX if cmd.stream == "ledger" else STREAM_MAX
+            entry = dict(cmd.entry)
+            coord.durable(cmd.what, lambda: store.append(cmd.stream, jid, entry, maxlen=maxlen))
+        elif isinstance(cmd, StorePlan):
+            plan = cmd.plan.model_dump(mode="json")
+            coord.durable("storing the plan", lambda: store.put_json(plan, "plan", jid))
+        elif isinstance(cmd, SetAssigned):
+            coord.assigned = cmd.devices
+        elif isinstance(cmd, CheckStore):
+            # leaders write to Redis; they wait out an outage themselves, but none need start in one
+            coord.durable(cmd.what, store.r.ping)
+        elif isinstance(cmd, CommitCheckpoint):
+            self._commit(cmd)
+        else:
+            return self._ask(cmd)
+        return None
+
+    def _ask(
+        self, cmd: RaiseEpoch | ReadCapacities | ReadCheckpoint | RequestPlan | PlanAgain
+    ) -> Event:
+        """Carry out a command whose answer the core waits for."""
+        coord, store, jid = self.coord, self.store, self.jid
+        if isinstance(cmd, RaiseEpoch):
+            key = store.key("epoch")
+            return EpochRaised(
+                int(coord.durable("raising the plan epoch", lambda: store.r.incr(key)))
+            )
+        if isinstance(cmd, ReadCapacities):
+            return Capacities(*coord.durable("reading the job's profiles", self._capacities))
+        if isinstance(cmd, ReadCheckpoint):
+            return CheckpointFound(
+                coord.durable("finding the checkpoint", lambda: latest_round(store, jid))
+            )
+        # RequestPlan, or PlanAgain: `_planned` measures the links again either way
+        members = {d: m for d, m in coord.alive().items() if d in cmd.devices}
+        current = cmd.current if isinstance(cmd, PlanAgain) else None
+        slowdowns = cmd.slowdowns if isinstance(cmd, PlanAgain) else {}
+        try:
+            plan, current_s = self._planned(members, None, current, slowdowns)
+        except (AsteroidError, RecoveryImpossible) as exc:
+            return PlanFailed(str(exc))
+        return PlanReady(plan, (current_s or None) if current is not None else None)
+
+    def _commit(self, cmd: CommitCheckpoint) -> None:
+        """Publish a checkpoint (every layer is written); a job's own one is an event too."""
+        store, jid = self.store, self.jid
+
+        def commit() -> None:
+            digests = None if cmd.digests is None else [dict(d) for d in cmd.digests]
+            commit_checkpoint(store, jid, cmd.round, cmd.layers, digests)
+            if cmd.digests is not None:
+                store.append("events", jid, {"event": "checkpoint", "round": cmd.round})
+            store.wait_durable()
+
+        what = f"committing the checkpoint of round {cmd.round}"
+        self.coord.durable(what, commit)
 
     def _capacities(
         self,
@@ -370,191 +522,27 @@ class JobRun:
             return None, None, memory
         return costs, speeds, memory
 
-    def _assign_all(self, plan: Plan, start: int) -> int:
-        """Give every device its stage under a new plan epoch; returns the epoch."""
-        coord, s = self.coord, self.coord.settings
-        epoch = int(
-            coord.durable(
-                "raising the plan epoch", lambda: self.store.r.incr(self.store.key("epoch"))
-            )
-        )
-        peers = {str(d): coord.members[d].info.data_addr for d in plan.devices}
-        for d in plan.devices:
-            coord.send(
-                d,
-                Assign(
-                    epoch=epoch,
-                    job=self.job,
-                    plan=plan,
-                    stage=plan.stage_of(d),
-                    peers=peers,
-                    from_round=start,
-                    total_rounds=self.total,
-                ),
-            )
-        coord.gather(Assigned, plan.devices, epoch, start, s.round_timeout_s)
-        return epoch
-
-    def _round(
-        self, plan: Plan, epoch: int, r: int, summary: JobSummary, model: nn.Sequential
-    ) -> None:
-        """Run round `r` on every device and commit it."""
-        coord = self.coord
-        t0 = time.perf_counter()
-        for d in plan.devices:
-            coord.send(d, RunRound(epoch=epoch, round=r))
-        done = coord.gather(
-            RoundDone,
-            plan.devices,
-            epoch,
-            r,
-            coord.settings.round_timeout_s,
-            watchdog_s=coord.hung_watchdog_s(plan),
-        )
-        elapsed = time.perf_counter() - t0
-        last = [a.device for a in plan.stages[-1].devices]
-        loss = sum(done[d].loss_sum for d in last)
-        acc = sum(done[d].correct for d in last) / plan.global_batch
-        self._commit_round(r, epoch, loss, acc, elapsed, plan, done)
-        summary.losses.append(loss)
-        summary.accuracies.append(acc)
-        summary.round_s.append(elapsed)
-        for d, msg in done.items():
-            summary.max_alive[d] = max(summary.max_alive.get(d, 0), msg.max_alive)
-            summary.peak_bytes[d] = max(summary.peak_bytes.get(d, 0), msg.peak_bytes)
-
-    def _commit_round(
-        self,
-        r: int,
-        epoch: int,
-        loss: float,
-        acc: float,
-        elapsed: float,
-        plan: Plan,
-        done: dict[DeviceId, RoundDone],
-    ) -> None:
-        """Record round `r` as committed: weights now belong to round r+1."""
-        rate = plan.global_batch / elapsed
-        lo, hi = r * plan.global_batch, (r + 1) * plan.global_batch
-        samples = sample_indices(self.job.seed, self.train_size, lo, hi - lo)
-        self._publish(
-            f"committing round {r}",
-            {
-                "round": r + 1,
-                "epoch": epoch,
-                "loss": loss,
-                "samples_per_s": rate,
-                "updated": time.time(),
-            },
-            {
-                "round": r,
-                "epoch": epoch,
-                "loss": loss,
-                "accuracy": acc,
-                "round_s": elapsed,
-                "samples_per_s": rate,
-                "devices": {
-                    d: {
-                        "stage": m.stage,
-                        "max_alive": m.max_alive,
-                        "peak_bytes": m.peak_bytes,
-                        "peak_saved_bytes": m.peak_saved_bytes,
-                        **m.timings.model_dump(),
-                    }
-                    for d, m in done.items()
-                },
-            },
-            round_entry(r, epoch, lo, hi, samples),
-        )
-        self.committed = r + 1
-        log.info(
-            "round committed",
-            loss=round(loss, 5),
-            accuracy=round(acc, 3),
-            round_s=round(elapsed, 3),
-        )
-
-    def _evaluate(self, plan: Plan, epoch: int, round_no: int, summary: JobSummary) -> None:
-        """Held-out loss and accuracy of the weights of `round_no`, through the pipeline."""
-        coord = self.coord
-        batches = math.ceil(eval_size(self.job) / plan.global_batch)
-        for d in plan.devices:
-            coord.send(d, RunEval(epoch=epoch, round=round_no, batches=batches))
-        done = coord.gather(
-            EvalDone,
-            plan.devices,
-            epoch,
-            round_no,
-            coord.settings.round_timeout_s,
-            watchdog_s=coord.hung_watchdog_s(plan),
-        )
-        last = [a.device for a in plan.stages[-1].devices]
-        samples = sum(done[d].samples for d in last)
-        loss = sum(done[d].loss_sum for d in last) / max(1, samples)
-        acc = sum(done[d].correct for d in last) / max(1, samples)
-        summary.evals.append((round_no, loss, acc))
-        self._publish(
-            f"recording the evaluation of round {round_no}",
-            {"eval_loss": loss, "eval_accuracy": acc},
-            {
-                "round": round_no - 1,
-                "eval_loss": loss,
-                "eval_accuracy": acc,
-                "eval_samples": samples,
-            },
-        )
-        log.info("evaluated", round=round_no, eval_loss=round(loss, 4), eval_accuracy=round(acc, 3))
-
-    def _checkpoint(self, plan: Plan, epoch: int, round_no: int, layers: int) -> None:
-        """Have every device save its part, check that replicas agree, commit `round_no`.
-
-        Leaders write the layers; every device sends its state's digest, so a
-        replica that drifted from its leader fails the job instead of hiding.
-        """
-        coord = self.coord
-        # leaders write to Redis; they wait out an outage themselves, but none need start in one
-        coord.durable(f"checkpointing round {round_no}", self.store.r.ping)
-        for d in plan.devices:
-            coord.send(d, SaveCheckpoint(epoch=epoch, round=round_no))
-        saved = coord.gather(
-            CheckpointSaved,
-            plan.devices,
-            epoch,
-            round_no,
-            coord.settings.round_timeout_s,
-            watchdog_s=coord.hung_watchdog_s(plan),
-        )
-        digests = [
-            {str(a.device): saved[a.device].digest for a in st.devices} for st in plan.stages
-        ]
-        try:
-            check_replicas(round_no, digests)
-        except CheckpointError as exc:
-            raise JobFailed(str(exc)) from exc
-
-        def commit() -> None:
-            commit_checkpoint(self.store, self.jid, round_no, layers, digests)
-            self.store.append("events", self.jid, {"event": "checkpoint", "round": round_no})
-
-        coord.durable(f"committing the checkpoint of round {round_no}", commit)
-
-    def _publish(
-        self,
-        what: str,
-        fields: dict[str, Any],
-        metrics: dict[str, Any],
-        ledger: dict[str, Any] | None = None,
-    ) -> None:
+    def _publish(self, cmd: Publish) -> None:
         """Update the job's hash and its metrics (and ledger) streams, waiting out an outage.
 
         The job goes on only once all are written: a round is committed when Redis
         says so, which is what makes an outage pause the job at a round boundary.
+        The metrics entry gets the wall-clock `time` of that commit (TensorBoard
+        places the point there); with `metrics_dir`, the entry is copied to the
+        job's files next.
         """
+        store, jid = self.store, self.jid
+        metrics = dict(cmd.metrics)
 
         def write() -> None:
-            self.store.set_fields(fields, "job", self.jid)
-            self.store.append("metrics", self.jid, metrics)
-            if ledger is not None:
-                self.store.append("ledger", self.jid, ledger, maxlen=LEDGER_MAX)
+            metrics["time"] = now = time.time()
+            entries = {"metrics": (metrics, STREAM_MAX)}
+            if cmd.ledger is not None:
+                entries["ledger"] = (dict(cmd.ledger), LEDGER_MAX)
+            store.update_job(jid, {**cmd.fields, "updated": now}, entries)
+            if cmd.ledger is not None:
+                store.wait_durable()  # a round is committed once Redis has it on disk
 
-        self.coord.durable(what, write)
+        self.coord.durable(cmd.what, write)
+        if self.stream is not None:
+            self.stream.record(metrics)

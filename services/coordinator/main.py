@@ -12,10 +12,11 @@ import signal
 import sys
 from pathlib import Path
 
+import redis
 import yaml
 from pydantic import ValidationError
-from pydantic_settings import CliApp
 
+from common.cli_args import parse_settings
 from common.errors import AsteroidError, ConfigError, StoreError
 from common.exit_codes import ExitCode
 from common.job import JobSpec, load_job
@@ -23,10 +24,12 @@ from common.logging import configure_logging, get_logger
 from common.messages import PlanRequest
 from common.plan import Plan, load_plan
 from common.profile import ClusterSpec
+from common.secrets import mask_text
 from common.settings import CoordinatorSettings
+from common.version import VERSION
 from services.coordinator.service import Coordinator
 
-__all__ = ["main", "run"]
+__all__ = ["main", "redis_problem", "run"]
 
 log = get_logger(__name__)
 
@@ -79,6 +82,25 @@ def _plan_request(settings: CoordinatorSettings, job: JobSpec, planner: str) -> 
     )
 
 
+def redis_problem(exc: StoreError, where: str) -> str:
+    """What went wrong reaching Redis at start, in words that say what to fix.
+
+    Wrong credentials (a refused password, no password where one is required,
+    a user without the commands it needs) are told apart from a Redis that
+    does not answer, since the fix is elsewhere.
+    """
+    cause = exc.__cause__
+    text = str(cause or exc)
+    refused = isinstance(cause, redis.AuthenticationError | redis.exceptions.NoPermissionError)
+    if refused or any(word in text for word in ("WRONGPASS", "NOAUTH", "NOPERM")):
+        return (
+            f"Redis at {where} refused the coordinator's credentials ({mask_text(text)}): "
+            "check the user and password in --redis-url (ASTEROID_REDIS_URL) against "
+            "Redis's ACL (deploy/redis-acl.conf)"
+        )
+    return str(exc)
+
+
 def run(settings: CoordinatorSettings) -> ExitCode:
     """Run the coordinator as configured; returns the exit code."""
     if settings.plan is not None and settings.job is None:
@@ -100,10 +122,16 @@ def run(settings: CoordinatorSettings) -> ExitCode:
     try:
         coord.store.ping()  # one clear error (its URL's password hidden), not a traceback
     except StoreError as exc:
+        log.error("coordinator cannot start", error=redis_problem(exc, coord.store.where))
+        coord.close()
+        return ExitCode.REDIS_UNAVAILABLE
+    try:
+        coord.raise_fence()
+    except AsteroidError as exc:  # Redis stayed away for redis_outage_s
         log.error("coordinator cannot start", error=str(exc))
         coord.close()
         return ExitCode.JOB_FAILED
-    log.info("coordinator listening", bind=coord.endpoint)
+    log.info("coordinator listening", bind=coord.endpoint, version=VERSION)
     try:
         if job is None:
             coord.serve()
@@ -129,7 +157,7 @@ def run(settings: CoordinatorSettings) -> ExitCode:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `asteroid-coordinator`."""
-    settings = CliApp.run(CoordinatorSettings, cli_args=sys.argv[1:] if argv is None else argv)
+    settings = parse_settings(CoordinatorSettings, argv, "asteroid-coordinator")
     configure_logging(settings.log_level, settings.log_format)
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)

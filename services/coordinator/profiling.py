@@ -9,6 +9,7 @@ the next one is asked.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
@@ -160,16 +161,22 @@ def cluster_for(
     budgets: dict[str, int],
     base: ClusterSpec | None,
     default_bandwidth: float,
+    measured: Mapping[str, float] | None = None,
+    slowdowns: Mapping[DeviceId, float] | None = None,
 ) -> ClusterSpec:
     """The cluster the planner sees: each worker with its profile and memory budget.
 
     A worker's memory is the training budget it reports (configured, or its
     cgroup limit minus what it holds after start-up, or free memory), else
     what `base` (a cluster spec file given to the coordinator) says, else what
-    its profile measured (`budgets`, by profile key). Links
-    come from `base` when present, else every link gets `default_bandwidth`
-    bytes/s; `base` also sets slowdowns, multiplied by `host_crowding`.
+    its profile measured (`budgets`, by profile key). Links come from `base`
+    when it gives any; else from `measured` (bytes/s by "a|b" pair), with the
+    bandwidth of `base`, else `default_bandwidth`, for pairs not measured.
+    `base` also sets slowdowns, multiplied by `host_crowding` and by what a
+    running job measured (`slowdowns`: how much slower a device computes than
+    when its plan was made).
     """
+    measured_slowdown = dict(slowdowns or {})
     named = {d.name: d for d in base.devices} if base else {}
     crowding = host_crowding(members)
     devices = []
@@ -186,11 +193,15 @@ def cluster_for(
                 name=d,
                 memory_bytes=memory,
                 profile=keys[d],
-                slowdown=(known.slowdown if known else 1.0) * crowding[d],
+                slowdown=(known.slowdown if known else 1.0)
+                * crowding[d]
+                * measured_slowdown.get(d, 1.0),
             )
         )
-    if base is None:
-        return ClusterSpec(devices=devices, bandwidth=default_bandwidth)
+    links = dict(base.links) if base is not None and base.links else dict(measured or {})
     return ClusterSpec(
-        devices=devices, bandwidth=base.bandwidth, links=base.links, latency_s=base.latency_s
+        devices=devices,
+        bandwidth=base.bandwidth if base is not None else default_bandwidth,
+        links=links,
+        latency_s=base.latency_s if base is not None else 0.0,
     )

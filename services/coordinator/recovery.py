@@ -13,6 +13,9 @@ layers that do not fit, rather than training on with a stage nobody holds.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -125,12 +128,18 @@ def partition(
     return ranges
 
 
+Range = tuple[int, int]
+
+
 class _StageMemory:
     """Each surviving device's peak for a layer range, in the re-planned pipeline's shape.
 
     A device's samples are its share of a micro-batch and its stage's K_p is
     that of the new plan (fewer stages, so fewer forwards in flight upstream),
-    exactly as the planner would predict for the same plan.
+    exactly as the planner would predict for the same plan. A group's first
+    device also holds the replica of the group before it (the last group's
+    lands on the first) when that group is a single device (`Plan.backup_of`),
+    so a group's peak can depend on its neighbour's range as well as its own.
     """
 
     def __init__(self, plan: Plan, groups: list[list[Allocation]], memory: MemoryInputs) -> None:
@@ -144,23 +153,43 @@ class _StageMemory:
         self.layers = memory.layers
         self.members: list[list[tuple[DeviceId, int, int]]] = []
         self.in_flight: list[int] = []
+        # backs_up[g]: group g's first device holds the replica of group g - 1 (cyclically);
+        # by the rule a device backs up at most its predecessor, the one dependence kept here
+        self.backs_up: list[bool] = []
         for g in range(len(groups)):
             self.in_flight.append(shape.warmup(g))
             self.members.append(
                 [(d, hi - lo, memory.budgets.get(d, 0)) for d, (lo, hi) in shape.ranges(g).items()]
             )
-        self._short: dict[tuple[int, int, int], int] = {}
+            held = shape.backups_held(groups[g][0].device)
+            self.backs_up.append(bool(held))
+        self._short: dict[tuple[int, Range, Range | None], int] = {}
 
-    def needs(self, g: int, start: int, end: int) -> list[tuple[DeviceId, int, int]]:
-        """(device, budget, bytes needed) of every device of group `g` holding [start, end)."""
+    @property
+    def linked(self) -> bool:
+        """Whether some group's peak depends on its neighbour's range (it holds a replica)."""
+        return any(self.backs_up)
+
+    def needs(
+        self, g: int, start: int, end: int, prev: Range | None = None
+    ) -> list[tuple[DeviceId, int, int]]:
+        """(device, budget, bytes needed) of every device of group `g` holding [start, end).
+
+        `prev` is the range of the group before `g` (the last group's for the
+        first): its replica counts on `g`'s first device when that one backs it up.
+        """
         k = self.in_flight[g]
-        return [(d, b, self.layers.stage(start, end, n, k)) for d, n, b in self.members[g]]
+        out = [(d, b, self.layers.stage(start, end, n, k)) for d, n, b in self.members[g]]
+        if prev is not None and self.backs_up[g]:
+            d, b, need = out[0]
+            out[0] = (d, b, need + self.layers.replica(*prev))
+        return out
 
-    def shortfall(self, g: int, start: int, end: int) -> int:
+    def shortfall(self, g: int, start: int, end: int, prev: Range | None = None) -> int:
         """Bytes the most overcommitted device of group `g` lacks for [start, end) (0: fits)."""
-        key = (g, start, end)
+        key = (g, (start, end), prev if self.backs_up[g] else None)
         if key not in self._short:
-            over = (need - b for _, b, need in self.needs(g, start, end) if b > 0)
+            over = (need - b for _, b, need in self.needs(g, start, end, prev) if b > 0)
             self._short[key] = max([0, *over])
         return self._short[key]
 
@@ -168,19 +197,137 @@ class _StageMemory:
         """Whether every device of group `g` holds layers [start, end) within its budget."""
         return self.shortfall(g, start, end) == 0
 
+    def split(self, n: int, time: Callable[[int, int, int], float]) -> list[Range]:
+        """The split of `n` layers minimising the slowest `time` where every device fits.
+
+        Replicas included. The answer is one group's time on one range, so a
+        bisection over those values with `_feasible` finds it exactly.
+        """
+        s = len(self.members)
+        times = sorted(
+            {time(g, i, k) for g in range(s) for i in range(n) for k in range(i + 1, n + 1)}
+        )
+        best: list[Range] | None = None
+        lo, hi = 0, len(times) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            got = self._feasible(n, 0, self._within(time, times[mid]))
+            if got is None:
+                lo = mid + 1
+            else:
+                best, hi = got, mid - 1
+        if best is None:
+            raise RecoveryImpossible(f"no split of {n} layers over {s} groups fits their memory")
+        return best
+
+    @staticmethod
+    def _within(time: Callable[[int, int, int], float], most: float) -> Fits:
+        """Whether a group's range takes at most `most` by `time`."""
+
+        def fast_enough(g: int, i: int, k: int) -> bool:
+            return time(g, i, k) <= most
+
+        return fast_enough
+
+    def _own_short(self, g: int, i: int, k: int) -> int:
+        """Bytes group `g`'s worst device lacks for [i, k), not counting any replica."""
+        return self.shortfall(g, i, k)
+
+    def _room(self, g: int, i: int, k: int, slack: int) -> float:
+        """Replica bytes group `g`'s first device can take beside [i, k) (inf: no budget)."""
+        _, b, need = self.needs(g, i, k)[0]
+        return math.inf if b <= 0 else b + slack - need
+
+    def _feasible(self, n: int, slack: int, allowed: Fits) -> list[Range] | None:
+        """A split where no device lacks more than `slack` bytes and `allowed` holds, or None.
+
+        A dynamic programme over the last group's range: a group's replica ties
+        its first device to the range before it, and since a shorter range has
+        a smaller replica, the ranges before that fit are those starting late
+        enough (a suffix). When the first group backs up the last, each state
+        also keeps the least end of the first group that reaches it: a shorter
+        first range only leaves more room for the last group's replica.
+        O(s n^2 log n).
+        """
+        s = len(self.members)
+        ring = self.backs_up[0] and s > 1
+
+        def ok(g: int, i: int, k: int) -> bool:
+            return self._own_short(g, i, k) <= slack and allowed(g, i, k)
+
+        # state (j, i): groups so far cover [0, i), the last on [j, i); value: (least
+        # end of the first group reaching it, start of the range before it)
+        reach: dict[Range, tuple[int, int]] = {}
+        for e in range(1, n - s + 2):
+            if not ok(0, 0, e):
+                break
+            reach[(0, e)] = (e, -1)
+        trail = [reach]
+        for g in range(1, s):
+            by_end: dict[int, list[tuple[int, int]]] = {}
+            for (j, i), (e0, _) in reach.items():
+                by_end.setdefault(i, []).append((j, e0))
+            nxt: dict[Range, tuple[int, int]] = {}
+            for i, prevs in sorted(by_end.items()):
+                prevs.sort()
+                suffix = list(prevs)  # suffix[t]: (start, least first end) over prevs[t:]
+                for t in range(len(prevs) - 2, -1, -1):
+                    if suffix[t + 1][1] < suffix[t][1]:
+                        suffix[t] = suffix[t + 1]
+                for k in range(i + 1, n - (s - 1 - g) + 1):
+                    if not ok(g, i, k):
+                        break  # longer ranges need more memory and time still
+                    t = 0
+                    if self.backs_up[g]:
+                        room = self._room(g, i, k, slack)
+                        t = bisect.bisect_left(
+                            prevs, True, key=lambda p: self.layers.replica(p[0], i) <= room
+                        )
+                    if t < len(prevs):
+                        j, e0 = suffix[t]
+                        nxt[(i, k)] = (e0, j)
+            reach = nxt
+            trail.append(reach)
+        ends = sorted(
+            j
+            for (j, i), (e0, _) in reach.items()
+            if i == n and (not ring or self.layers.replica(j, n) <= self._room(0, 0, e0, slack))
+        )
+        if not ends:
+            return None
+        ranges = [(ends[0], n)]
+        for g in range(s - 1, 0, -1):
+            _, j = trail[g][ranges[-1]]
+            ranges.append((j, ranges[-1][0]))
+        return ranges[::-1]
+
+    def peaks(self, ranges: list[Range]) -> dict[str, int]:
+        """Each device's predicted peak under `ranges`, replicas included."""
+        return {
+            str(d): need
+            for g, (lo, hi) in enumerate(ranges)
+            for d, _, need in self.needs(g, lo, hi, ranges[g - 1])
+        }
+
     def require_a_split(self, n: int) -> None:
         """Raise, naming layers, devices and bytes, unless some split fits every budget.
 
         The split reported is the one whose worst device lacks the fewest bytes:
         the least that would have to change for the survivors to go on.
         """
-        short, ranges = _minimax(n, len(self.members), lambda g, j, i: self.shortfall(g, j, i))
-        if short == 0:
-            return
+        if self.linked:
+            ranges = self._closest(n)
+            if ranges is None:
+                return
+        else:
+            least, ranges = _minimax(n, len(self.members), self.shortfall)
+            if least == 0:
+                return
         lines = [
             f"layers [{lo}, {hi}): device {d} has {b} bytes, needs {need}"
+            + self._replica_note(g, ranges, d)
             for g, (lo, hi) in enumerate(ranges)
-            for d, b, need in self.needs(g, lo, hi)
+            for d, b, need in self.needs(g, lo, hi, ranges[g - 1])
             if 0 < b < need
         ]
         raise RecoveryImpossible(
@@ -188,6 +335,32 @@ class _StageMemory:
             + "; ".join(lines)
             + " (the split closest to fitting; more memory or more devices are needed)"
         )
+
+    def _closest(self, n: int) -> list[Range] | None:
+        """None if a split fits, else the split whose worst device lacks the fewest bytes.
+
+        Bisection on the bytes lacking, each step a `_feasible` programme.
+        """
+        if self._feasible(n, 0, lambda g, i, k: True) is not None:
+            return None
+        whole = max(need for g in range(len(self.members)) for _, _, need in self.needs(g, 0, n))
+        lo, hi = 1, whole + self.layers.replica(0, n)
+        best = self._feasible(n, hi, lambda g, i, k: True)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            got = self._feasible(n, mid, lambda g, i, k: True)
+            if got is None:
+                lo = mid + 1
+            else:
+                best, hi = got, mid
+        return best
+
+    def _replica_note(self, g: int, ranges: list[Range], device: DeviceId) -> str:
+        """Which replica a device's need includes, so the message adds up."""
+        if not self.backs_up[g] or device != self.members[g][0][0]:
+            return ""
+        lo, hi = ranges[g - 1]
+        return f" with the replica of layers [{lo}, {hi})"
 
 
 def survivors_plan(
@@ -200,8 +373,9 @@ def survivors_plan(
     """`plan` without the `lost` devices, its partition points moved by capacity.
 
     With `memory`, only splits where every survivor stays within its budget are
-    considered: training on with a stage that cannot be held would only fail
-    later, out of memory, on a device.
+    considered, a backup node's replica of its single-device neighbour stage
+    included: training on with a stage or a replica that cannot be held would
+    only fail later, out of memory, on a device.
 
     Raises:
         RecoveryImpossible: No device survives, fewer layers than groups, or
@@ -226,17 +400,17 @@ def survivors_plan(
         _check_shape(layers, len(groups))
         stage_memory = _StageMemory(plan, groups, memory)
         stage_memory.require_a_split(layers)
-    ranges = partition(costs, capacity, stage_memory.fits if stage_memory else None)
+    if stage_memory is not None and stage_memory.linked:
+        # a replica ties a group's memory to its neighbour's range, which `partition`'s
+        # per-group check cannot see; the same objective, searched with the neighbour
+        prefix = [0.0, *itertools.accumulate(costs)]
+        ranges = stage_memory.split(layers, lambda g, j, i: (prefix[i] - prefix[j]) / capacity[g])
+    else:
+        ranges = partition(costs, capacity, stage_memory.fits if stage_memory else None)
     stages = [
         StageSpec(start=lo, end=hi, devices=g) for (lo, hi), g in zip(ranges, groups, strict=True)
     ]
-    peaks = {}
-    if stage_memory is not None:
-        peaks = {
-            str(d): need
-            for g, (lo, hi) in enumerate(ranges)
-            for d, _, need in stage_memory.needs(g, lo, hi)
-        }
+    peaks = stage_memory.peaks(ranges) if stage_memory is not None else {}
     return plan.model_copy(
         update={
             "stages": stages,

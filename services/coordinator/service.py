@@ -1,13 +1,14 @@
-"""The coordinator: registry, job queue, and the requests jobs make of workers and services.
+"""The coordinator: registry, job queue, and the I/O a running job's core needs.
 
 One thread, one ROUTER: `pump()` takes whatever arrived (heartbeats update the
 membership, hellos the service list, people's submit and cancel requests are
-answered at once, everything else waits in the inbox) and a running job
-(`jobs.JobRun`) gathers the replies it needs with explicit timeouts, failing
-with a message that names the worker when one reports an error, is lost (its
-heartbeats stopped and it did not answer a probe) or hung (it heartbeats but
-makes no progress for longer than the watchdog). Those decisions are the pure
-`core.apply`; `gather` is the loop that feeds it and carries out its commands.
+answered at once, everything else waits in the inbox). A running job
+(`jobs.JobRun`) reads what arrived as events (`events`) and feeds them to its
+pure core (`driver.apply`), which decides every step, including when a worker
+that reports an error, is lost (its heartbeats stopped and it did not answer a
+probe) or hung (it heartbeats but makes no progress for longer than the
+watchdog) fails or recovers the job. `gather` waits for one step's replies
+outside a job by the same rules (`core.apply`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,16 +32,21 @@ from common.errors import AsteroidError, ConfigError, PlanError, ProtocolError
 from common.ids import DeviceId
 from common.job import JobSpec, check_job_id
 from common.lifecycle import ACTIVE
+from common.locate import location_of
 from common.logging import get_logger
 from common.messages import (
     CancelJob,
+    DrainDevice,
     Heartbeat,
     JobReply,
+    LinksMeasured,
+    LocateRedis,
     Message,
     PlanReply,
     PlanRequest,
     Probe,
     ProbeReply,
+    ReplicaSaved,
     ServiceHello,
     Shutdown,
     SubmitJob,
@@ -51,9 +57,11 @@ from common.secrets import mask_text
 from common.settings import CoordinatorSettings
 from common.sockets import bind_router
 from common.store import OUTAGE, Store
+from common.version import VERSION
 from services.coordinator.checks import check_job
 from services.coordinator.core import (
     Beats,
+    Complete,
     Event,
     Fail,
     Heard,
@@ -63,7 +71,6 @@ from services.coordinator.core import (
     Reply,
     SendProbe,
     Tick,
-    Wait,
     apply,
     begin,
 )
@@ -79,8 +86,8 @@ from services.coordinator.membership import (
     forget,
     heard,
     on_probe_reply,
-    watchdog_s,
 )
+from services.coordinator.versions import forget_versions, note_version
 
 __all__ = ["Coordinator", "JobCancelled", "JobFailed", "JobSummary"]
 
@@ -88,12 +95,14 @@ log = get_logger(__name__)
 T = TypeVar("T")
 NAME = "coordinator"
 PLANNER = "planner"
-_CLIENT_REQUESTS = ("submit_job", "cancel_job")
+_CLIENT_REQUESTS = ("submit_job", "cancel_job", "drain_device")
 """Requests whose sender is told why a malformed one was refused."""
 PUMP_MAX_MESSAGES = 500
 """Most messages one `pump` call handles before its caller looks at its deadlines again."""
 PUMP_MAX_S = 0.05
 """Longest one `pump` call spends handling messages, for the same reason."""
+REPLICA_NEWS_MAX = 1_000
+"""Replica reports kept for the running job between two rounds."""
 DEVICE_WRITE_EVERY_S = 1.0
 """Least time between two Redis writes of one device's heartbeat state."""
 CONTROL_ROLES = ("worker", "service", "operator")
@@ -106,13 +115,18 @@ SENDER_ROLES = {
     "checkpoint_saved": "worker",
     "worker_error": "worker",
     "probe_reply": "worker",
+    "replica_saved": "worker",
+    "links_measured": "worker",
     "service_hello": "service",
     "plan_reply": "service",
     "profile_reply": "service",
     "submit_job": "operator",
     "cancel_job": "operator",
+    "drain_device": "operator",
 }
 """The key role that may send each message type to the coordinator (with CURVE)."""
+ANY_ROLE = ("locate_redis",)
+"""Requests any key of the set may send: their answers hold nothing secret."""
 
 
 def role_refusal(user: str, kind: str) -> str | None:
@@ -121,7 +135,7 @@ def role_refusal(user: str, kind: str) -> str | None:
     `user` is "ROLE:NAME" from the CURVE handshake ("" without keys, where the
     socket is on loopback and every local process is trusted alike).
     """
-    if not user:
+    if not user or kind in ANY_ROLE:
         return None
     role = user.partition(":")[0]
     wanted = SENDER_ROLES.get(kind)
@@ -153,6 +167,8 @@ class Coordinator:
         )
         self.store = Store(settings.redis_url, settings.cluster)
         self.members: Members = {}
+        self.versions: Mapping[DeviceId, str] = {}
+        """The release each member last reported, so another release is warned of once."""
         # never forget a device before it would be declared dead: a job waiting on it
         # must see it dead, not absent
         dead_s = settings.heartbeat_s * settings.heartbeat_misses
@@ -165,8 +181,10 @@ class Coordinator:
         """Probes sent to suspects and not answered yet."""
         self._next_nonce = 1
         """The nonce of the next probe; never reused while this coordinator lives."""
-        self._wait: Wait | None = None
-        """The step's wait `gather` runs, if one does (probe answers are fed to it)."""
+        self.collecting = False
+        """A wait or a running job reads the inbox: probe answers go there too."""
+        self.fence = 0
+        """This coordinator's fencing epoch (`raise_fence`); 0 until raised."""
         self.assigned: frozenset[DeviceId] = frozenset()
         """Devices the running job's plan names: never forgotten nor capped while it runs."""
         self.heartbeat_counts = {v: 0 for v in Verdict} | {"expired": 0, "unrecorded": 0}
@@ -175,11 +193,19 @@ class Coordinator:
         self._logged_counts = dict(self.heartbeat_counts)
         self._next_sweep = 0.0
         self.inbox: deque[tuple[DeviceId, Message]] = deque()
+        self.replica_news: deque[ReplicaSaved] = deque(maxlen=REPLICA_NEWS_MAX)
+        """Replicas reported complete since the running job last looked (bounded: a
+        flood pushes out the oldest, and the job only trusts ones its plan names)."""
+        self.links_pending: set[tuple[DeviceId, int]] = set()
+        """Link measurements asked (worker, nonce) and not answered: only their answers count."""
+        self._next_link_nonce = 1
         self.bad_messages = 0
         self.services: dict[str, float] = {}
         self.queue: deque[tuple[JobSpec, int]] = deque()
         self.running: str | None = None
         self.cancelled: dict[str, str] = {}
+        self.drains: dict[DeviceId, str] = {}
+        """Devices of the running job to drain, and why (at most the job's own devices)."""
         self.unwritten: deque[tuple[str, Callable[[], object]]] = deque()
         """Writes Redis missed during an outage that must still land (a job's end state)."""
         self._next_flush = 0.0
@@ -240,8 +266,20 @@ class Coordinator:
     # --- transport --------------------------------------------------------------
 
     def send(self, device: DeviceId, msg: Message) -> None:
-        """Send a control message to a worker."""
-        send_message(self.sock, msg, NAME, route=device.encode())
+        """Send a control message to a worker, stamped with this coordinator's fence."""
+        send_message(self.sock, msg, NAME, route=device.encode(), fence=self.fence)
+
+    def raise_fence(self) -> int:
+        """Take the next fencing epoch from Redis: workers then refuse older coordinators.
+
+        Raised once at every start, so a coordinator that was replaced (restarted
+        elsewhere, or thought dead) can no longer steer the cluster's workers.
+        """
+        self.fence = int(
+            self.durable("raising the fence", lambda: self.store.r.incr(self.store.key("fence")))
+        )
+        log.info("coordinator fence raised", fence=self.fence)
+        return self.fence
 
     def pump(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for a message, then process those waiting, within bounds.
@@ -281,21 +319,47 @@ class Coordinator:
             elif (why := role_refusal(env.user, env.msg.type)) is not None:
                 self.bad_messages += 1
                 log.warning("dropped message outside its key's role", peer=peer, reason=why)
-                if isinstance(env.msg, SubmitJob | CancelJob):  # an operator mistake: say so
+                if isinstance(env.msg, SubmitJob | CancelJob | DrainDevice):  # say so
                     self.send(DeviceId(peer), JobReply(job_id="", ok=False, error=why))
             elif isinstance(env.msg, Heartbeat):
                 self._heartbeat(env.msg)
+            elif isinstance(env.msg, LocateRedis):  # no secret in the answer: any key may ask
+                where = location_of(self.settings.redis_url, self.settings.cluster, env.msg.nonce)
+                self.send(DeviceId(peer), where)
             elif isinstance(env.msg, ProbeReply):
                 self._probe_reply(env.msg)
+            elif isinstance(env.msg, ReplicaSaved):
+                self.replica_news.append(env.msg)  # the running job checks it against its plan
             elif isinstance(env.msg, ServiceHello):
                 if env.msg.service not in self.services:
                     log.info("service joined", service=env.msg.service, peer=peer)
                 self.services[env.msg.service] = time.monotonic()
-            elif isinstance(env.msg, SubmitJob | CancelJob):
+            elif isinstance(env.msg, SubmitJob | CancelJob | DrainDevice):
                 self._client(peer, env.msg)
+            elif isinstance(env.msg, LinksMeasured):
+                self._links_measured(env.msg)
             else:
                 self.inbox.append((DeviceId(peer), env.msg))
         self._sweep()
+
+    def _links_measured(self, msg: LinksMeasured) -> None:
+        """Keep a link measurement's answer only if it was asked for (and not yet answered)."""
+        if (msg.device, msg.nonce) in self.links_pending:
+            self.links_pending.discard((msg.device, msg.nonce))
+            self.inbox.append((msg.device, msg))
+            return
+        self.bad_messages += 1
+        log.warning(
+            "dropped a link measurement nobody asked for (or one answered late)",
+            peer=msg.device,
+            nonce=msg.nonce,
+        )
+
+    def link_nonce(self, device: DeviceId) -> int:
+        """A fresh nonce for a MeasureLinks to `device`, whose answer is now awaited."""
+        nonce, self._next_link_nonce = self._next_link_nonce, self._next_link_nonce + 1
+        self.links_pending.add((device, nonce))
+        return nonce
 
     def _keep(self) -> frozenset[DeviceId]:
         """Devices exempt from expiry and the cap: the running job's, none between jobs."""
@@ -318,7 +382,15 @@ class Coordinator:
                 )
             return
         if verdict is Verdict.JOINED:
-            log.info("worker joined", worker=hb.device, data=hb.data_addr)
+            log.info("worker joined", worker=hb.device, data=hb.data_addr, version=hb.version)
+        self.versions, warn = note_version(self.versions, hb.device, hb.version, VERSION)
+        if warn:
+            log.warning(
+                "worker runs another release than the coordinator",
+                worker=hb.device,
+                worker_version=hb.version,
+                coordinator_version=VERSION,
+            )
         if verdict is not Verdict.LIMITED:
             try:
                 self.store.set_fields(
@@ -333,8 +405,8 @@ class Coordinator:
         During a step's wait the answer is the wait's to judge (`core.apply`);
         between steps a probe still open from the last one is cleared here.
         """
-        if self._wait is not None:
-            self._feed(ProbeAnswer(msg.device, msg.nonce))
+        if self.collecting:  # a wait or a job judges it, in order with the replies
+            self.inbox.append((msg.device, msg))
             return
         self.members, self.probes, counted = on_probe_reply(
             self.members, self.probes, msg.device, msg.nonce, time.monotonic()
@@ -358,6 +430,7 @@ class Coordinator:
         gone = expired(self.members, now, self.rules.expiry_s, self._keep())
         if gone:
             self.members = forget(self.members, gone)
+            self.versions = forget_versions(self.versions, gone)
             # exact keys, one per device: never a pattern built from a peer's name
             keys = [self.store.key("device", d) for d in gone]
             self.write_soon("forget silent devices", lambda: self.store.r.delete(*keys))
@@ -455,6 +528,40 @@ class Coordinator:
                 raise JobFailed(f"{service} did not send the {what} within {timeout_s:g} s")
             self.pump(0.1)
 
+    def events(self, poll_s: float = 0.05) -> Iterator[Event]:
+        """What happened since the last look, as events for a wait's or a job's core.
+
+        Pumps the socket once, then yields the membership, each replica report
+        and inbox message (probe answers among them), and a tick. Messages are
+        taken from the inbox one at a time: what a caller leaves after a verdict
+        stays there, in order, for the next step. Callers set `collecting` while
+        they read events, so that probe answers come this way too.
+        """
+        self.pump(poll_s)
+        yield Beats(self.members)
+        while self.replica_news:
+            news = self.replica_news.popleft()
+            yield Reply(news.device, news)
+        for _ in range(len(self.inbox)):
+            peer, msg = self.inbox.popleft()
+            yield ProbeAnswer(peer, msg.nonce) if isinstance(msg, ProbeReply) else Reply(peer, msg)
+        yield Tick()
+
+    def carry_out(self, cmd: SendProbe | Heard | Log) -> None:
+        """Do what a wait's core asked: probe a suspect, count an answer as heard, log."""
+        if isinstance(cmd, SendProbe):
+            log.warning(
+                "probing suspect",
+                device=cmd.device,
+                silent_s=round(cmd.silent_s, 2),
+                nonce=cmd.nonce,
+            )
+            self.send(cmd.device, Probe(nonce=cmd.nonce))
+        elif isinstance(cmd, Heard):
+            self.members = heard(self.members, cmd.device, cmd.at)
+        else:
+            getattr(log, cmd.level)(cmd.event, **cmd.fields)
+
     def gather(
         self,
         kind: type[Message],
@@ -464,17 +571,15 @@ class Coordinator:
         timeout_s: float,
         watchdog_s: float | None = None,
     ) -> dict[DeviceId, Any]:
-        """Wait for one `kind` reply of (epoch, round) from each of `devices`.
+        """Wait for one `kind` reply of (epoch, round) from each of `devices`, outside a job.
 
-        The rules are `core.apply`'s; this loop only pumps the socket, feeds it
-        the membership, each inbox message and a tick, and carries out what it
-        returns. A device whose heartbeats are overdue is probed; one that
-        leaves the probe unanswered is lost. With `watchdog_s`, a device that
-        has not replied and heartbeats without progress for that long is lost
-        as hung.
+        The rules are `core.apply`'s, fed by `events`, exactly as a job's
+        steps are (`driver`): a device whose heartbeats are overdue is probed;
+        one that leaves the probe unanswered is lost; with `watchdog_s`, one
+        that heartbeats without progress for that long is lost as hung.
 
         Raises:
-            DeviceLost: Devices of `devices` are dead or hung (recovery may go on without them).
+            DeviceLost: Devices of `devices` are dead or hung.
             JobFailed: A device reported an error, or the replies took over `timeout_s`.
 
         """
@@ -493,60 +598,30 @@ class Coordinator:
             self.probes,
             self._next_nonce,
         )
-        if wait.done:
-            return {}
-        self._wait = wait
+        self.collecting = True
         try:
-            while True:
-                self.pump(0.05)  # a probe answer is fed to the wait here, as it arrives
-                self._feed(Beats(self.members))
-                # one at a time: what follows a verdict stays in the inbox, as it came
-                for _ in range(len(self.inbox)):
-                    if (got := self._feed(Reply(*self.inbox.popleft()))) is not None:
-                        return got
-                if (got := self._feed(Tick())) is not None:
-                    return got
+            while not wait.done:
+                for event in self.events():
+                    wait, commands = apply(wait, event, time.monotonic())
+                    self.probes, self._next_nonce = wait.probes, wait.next_nonce
+                    for cmd in commands:
+                        if isinstance(cmd, Lost):
+                            raise DeviceLost(cmd.devices, cmd.reason)
+                        if isinstance(cmd, Fail):
+                            raise JobFailed(cmd.reason)
+                        if isinstance(cmd, Complete):
+                            return dict(cmd.replies)
+                        self.carry_out(cmd)
+            return {}
         finally:
-            self._wait = None
-
-    def _feed(self, event: Event) -> dict[DeviceId, Any] | None:
-        """Apply `event` to the running wait and carry out its commands; the replies once all came.
-
-        Probes and the nonce counter outlive the wait: a suspect probed in one
-        step may answer in the next, and pump answers it between steps.
-        """
-        if self._wait is None:  # no step waits: nothing to decide
-            return None
-        self._wait, commands = apply(self._wait, event, time.monotonic())
-        self.probes, self._next_nonce = self._wait.probes, self._wait.next_nonce
-        for cmd in commands:
-            if isinstance(cmd, SendProbe):
-                log.warning(
-                    "probing suspect",
-                    device=cmd.device,
-                    silent_s=round(cmd.silent_s, 2),
-                    nonce=cmd.nonce,
-                )
-                self.send(cmd.device, Probe(nonce=cmd.nonce))
-            elif isinstance(cmd, Heard):
-                self.members = heard(self.members, cmd.device, cmd.at)
-            elif isinstance(cmd, Log):
-                getattr(log, cmd.level)(cmd.event, **cmd.fields)
-            elif isinstance(cmd, Lost):
-                raise DeviceLost(cmd.devices, cmd.reason)
-            elif isinstance(cmd, Fail):
-                raise JobFailed(cmd.reason)
-            else:
-                return dict(cmd.replies)
-        return None
-
-    def hung_watchdog_s(self, plan: Plan) -> float:
-        """How long a device of `plan` may heartbeat without progress before it counts as hung."""
-        s = self.settings
-        return watchdog_s(s.hung_min_s, s.hung_factor, plan.predicted_round_s)
+            self.collecting = False
 
     def request_plan(self, req: PlanRequest, timeout_s: float) -> Plan:
         """Ask the planner service for a plan (it lands in Redis) and load it."""
+        return self.request_scored_plan(req, timeout_s)[0]
+
+    def request_scored_plan(self, req: PlanRequest, timeout_s: float) -> tuple[Plan, float]:
+        """`request_plan`, and the planner's prediction of `req.current` (0: none)."""
         deadline = time.monotonic() + timeout_s
         while PLANNER not in self.services:
             if time.monotonic() > deadline:
@@ -567,7 +642,7 @@ class Coordinator:
         if not reply.ok:
             raise PlanError(f"planner {req.planner!r} failed: {reply.error}")
         stored = self.durable("reading the plan", lambda: self.store.get_json("plan", req.job_id))
-        return Plan.model_validate(stored)
+        return Plan.model_validate(stored), reply.current_round_s
 
     # --- jobs -------------------------------------------------------------------
 
@@ -576,23 +651,29 @@ class Coordinator:
     ) -> JobSummary:
         """Run `job` to its last round (with `plan`, or profiled and planned); raises.
 
-        With `resume`, start from the job's newest committed checkpoint (possibly
-        written under another plan): workers are re-assigned, not restarted. A job
+        With `resume`, go on from the last round an earlier coordinator committed,
+        on its plan, where the workers still hold it (a restarted coordinator loses
+        nothing), else from the job's newest committed checkpoint (possibly written
+        under another plan): workers are re-assigned, not restarted. A job
         id that already has state is refused unless `resume` (keep it) or `replace`
         (delete it first) says what to do with it: starting a job never deletes
         another run's checkpoints by itself.
         """
         total = check_job(job, self.settings.model_modules)
+        committed = 0
 
         def admit_job() -> None:
+            nonlocal committed
             if resume:
                 self._check_resumable(job.job_id, total)
+                # the rounds an earlier coordinator committed: its workers may still hold them
+                committed = int(self.store.get_fields("job", job.job_id).get("round", 0) or 0)
             else:
                 self._check_fresh(job.job_id, replace, "--replace")
             self._register(job, total, forget_old=replace and not resume)
 
         self.durable(f"registering job {job.job_id}", admit_job)
-        return JobRun(self, job, total).run(plan, resume)
+        return JobRun(self, job, total).run(plan, resume, committed)
 
     def _existing(self, jid: str) -> str | None:
         """What Redis already holds for job id `jid` (its state, or its checkpoints), else None."""
@@ -694,12 +775,27 @@ class Coordinator:
         self.store.r.zadd(self.store.key("jobs"), {jid: time.time()})
         self.store.append("events", jid, {"event": "submitted"})
 
-    def _client(self, peer: str, msg: SubmitJob | CancelJob) -> None:
+    def _client(self, peer: str, msg: SubmitJob | CancelJob | DrainDevice) -> None:
         """Answer a person's request (through the CLI) with a JobReply."""
         if isinstance(msg, SubmitJob):
             self._on_submit(peer, msg)
-        else:
+        elif isinstance(msg, CancelJob):
             self._on_cancel(peer, msg)
+        else:
+            self._on_drain(peer, msg)
+
+    def _on_drain(self, peer: str, msg: DrainDevice) -> None:
+        """Queue a drain for the running job, if the device is one of its plan's."""
+        jid = self.running or ""
+        if not self.running or msg.target not in self.assigned:
+            error = f"device {msg.target!r} runs no part of a job here"
+            if self.running:
+                error += f" (job {jid} runs on {sorted(self.assigned)})"
+            self.send(DeviceId(peer), JobReply(job_id=jid, ok=False, error=error))
+            return
+        self.drains[msg.target] = msg.reason
+        log.info("drain requested", device=msg.target, by=peer)
+        self.send(DeviceId(peer), JobReply(job_id=jid, ok=True))
 
     def _refuse_request(self, exc: ProtocolError) -> None:
         """Answer an undecodable SubmitJob or CancelJob so that its sender learns why.

@@ -8,9 +8,9 @@ the chosen plan in `simulate` and keeps moving while one is faster: shift a
 stage boundary or slide a middle stage by one layer, or regroup devices
 (`_regroupings`: trades between stages, places inside a group, devices
 joining or leaving the plan). Shares come from Algorithm 1 under each stage's
-K_p and memory budgets; at the end the fastest few layouts have their shares
-tuned by one-sample moves within each budget (`_reshare`), so a polished plan
-still fits. A budget bounds the number of simulations.
+K_p and memory budgets (a backup node's replicas included); at the end the
+fastest few layouts have their shares tuned by one-sample moves within each
+budget (`_reshare`), so a polished plan still fits. A budget bounds the number of simulations.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 
 from common.plan import Plan
-from services.planner.balance import balance, capacity
+from services.planner.balance import balance, capacity, fit_backups
 from services.planner.base import stage
 from services.planner.cost import CostModel
 from services.planner.simulator import simulate
@@ -89,13 +89,20 @@ def _reshare(cost: CostModel, start: tuple[Plan, float], budget: int) -> tuple[P
 
 
 def _share_moves(cost: CostModel, plan: Plan) -> Iterator[Plan]:
-    """`plan` with one sample moved from one member of a group to another that can hold it."""
+    """`plan` with one sample moved from one member of a group to another that can hold it.
+
+    A member that backs up a neighbouring stage holds its replica too.
+    """
+    reserved = cost.reserved(plan)
     for p, spec in enumerate(plan.stages):
         counts = [hi - lo for lo, hi in plan.ranges(p).values()]
         devs = [a.device for a in spec.devices]
         k = plan.warmup(p)
         for i, j in itertools.permutations(range(len(devs)), 2):
-            if counts[i] <= 1 or counts[j] + 1 > capacity(cost, devs[j], spec.start, spec.end, k):
+            held = reserved[devs[j]]
+            if counts[i] <= 1 or counts[j] + 1 > capacity(
+                cost, devs[j], spec.start, spec.end, k, held
+            ):
                 continue
             moved = list(counts)
             moved[i] -= 1
@@ -258,7 +265,11 @@ def _replace(
 
 
 def _build(cost: CostModel, layout: Layout, like: Plan) -> Plan | None:
-    """The plan of `layout` with Algorithm 1 shares, or None if a stage does not fit."""
+    """The plan of `layout` with Algorithm 1 shares, or None if a stage does not fit.
+
+    Replicas count too: a group holding a neighbour's is split again around
+    it (`fit_backups`), since Algorithm 1 sees one stage at a time.
+    """
     specs = []
     num = len(layout)
     for p, (lo, hi, devs) in enumerate(layout):
@@ -267,9 +278,10 @@ def _build(cost: CostModel, layout: Layout, like: Plan) -> Plan | None:
         if got is None:
             return None
         specs.append(stage(lo, hi, devs, got.counts))
-    return Plan(
+    plan = Plan(
         stages=specs,
         global_batch=like.global_batch,
         microbatches=like.microbatches,
         planner=like.planner,
     )
+    return fit_backups(cost, plan)

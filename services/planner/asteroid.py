@@ -23,6 +23,9 @@ Beyond the paper (Asteroid-Edge additions, each can be turned off):
     simulator, and a simulator-scored local search polishes the fastest
     (`_polish`): the estimate is off the simulated 1F1B round by -10%..+55%,
     enough to rank near-equal plans wrongly.
+  * Backups (Asteroid Fig. 9, §3.4 (2)): the program cannot see the replica a
+    group's first device holds for its neighbour, so complete plans are
+    charged for it and refitted, or dropped, before the simulator sees them.
 
 Pruning, for speed on deep models (documented so results can be judged):
   * With more than `max_cuts` layers, stage boundaries are restricted to about
@@ -40,14 +43,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.errors import PlanError
 from common.plan import Plan
 from services.planner._polish import Layout, Retune, polish
 from services.planner._steps import comm_time, total
-from services.planner.balance import Balanced, balance
+from services.planner.balance import Balanced, balance, fit_backups
 from services.planner.base import (
     Planner,
     finish,
@@ -381,6 +384,16 @@ class AsteroidPlanner(Planner):
             specs = [stage(s.start, s.end, s.devices, s.counts) for s in stages]
             return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=True)
 
+        def fitted(stages: list[_Stage]) -> Plan | None:
+            """The plan of `stages`, splits fitted around its replicas; None if one overflows."""
+            specs = [stage(s.start, s.end, s.devices, s.counts) for s in stages]
+            raw = Plan(stages=specs, global_batch=global_batch, microbatches=microbatches)
+            got = fit_backups(cost, raw)
+            if got is None:
+                return None
+            specs = list(got.stages)
+            return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=True)
+
         # A small program (the subset one) affords twice the front and a longer shortlist.
         front, shortlist = (
             (2 * self.front, 3 * self.shortlist // 2) if subsets else (self.front, self.shortlist)
@@ -390,10 +403,11 @@ class AsteroidPlanner(Planner):
         )
         found = search.run(cuts)
         if found:
-            ranked = sorted((p.stages() for p in found), key=search.score)[:shortlist]
-            if window > 1:
-                ranked = [search.refine(s, window) for s in ranked]
-            plans = sorted((build(s) for s in ranked), key=lambda p: simulate(p, cost).round_s)
+            ranked = sorted((p.stages() for p in found), key=search.score)
+            plans = self._shortlist(search, ranked, shortlist, window, fitted)
+            if not plans:
+                build(ranked[0])  # raises PlanDoesNotFit, naming the backup that overflows
+            plans.sort(key=lambda p: simulate(p, cost).round_s)
             best = plans[0]
             if self.polish_budget:
                 retune = self._retune(search, microbatches) if subsets else None
@@ -412,6 +426,33 @@ class AsteroidPlanner(Planner):
                 f"{len(order)} devices"
             )
         return build(min((p.stages() for p in found), key=search.score))  # raises PlanDoesNotFit
+
+    @staticmethod
+    def _shortlist(
+        search: _Search,
+        ranked: list[list[_Stage]],
+        most: int,
+        window: int,
+        fitted: Callable[[list[_Stage]], Plan | None],
+    ) -> list[Plan]:
+        """Up to `most` of the program's plans, best first, that fit with their backups.
+
+        The program splits each group without seeing the replica its first
+        device may hold for the neighbouring stage (Asteroid Fig. 9: the last
+        stage's lands on the first stage), so backups are charged here, on whole
+        plans: each is refitted around its replicas (`fit_backups`), refined
+        boundaries first and the program's own if those overflow, and dropped
+        when neither fits; the rest of the ranking stands in for it.
+        """
+        plans: list[Plan] = []
+        for stages in ranked:
+            tries = [search.refine(stages, window), stages] if window > 1 else [stages]
+            plan = next((p for p in map(fitted, tries) if p is not None), None)
+            if plan is not None:
+                plans.append(plan)
+                if len(plans) == most:
+                    break
+        return plans
 
     @staticmethod
     def _retune(search: _Search, microbatches: int, most: int = 64) -> Retune:

@@ -12,12 +12,13 @@ which is why the last, measured, phase is needed at all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from common.plan import Plan
 from services.planner.cost import CostModel
 
-__all__ = ["Balanced", "balance", "capacity", "proportional"]
+__all__ = ["Balanced", "balance", "capacity", "fit_backups", "proportional"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,13 +29,16 @@ class Balanced:
     time: float
 
 
-def capacity(cost: CostModel, device: str, start: int, end: int, in_flight: int) -> int:
+def capacity(
+    cost: CostModel, device: str, start: int, end: int, in_flight: int, reserved: int = 0
+) -> int:
     """Most samples per micro-batch `device` can hold for layers [start, end) (may be 0).
 
     Memory is linear in the share (`CostModel.memory`): states plus
     per-sample activations times the `in_flight` micro-batches kept for backward.
+    `reserved` bytes of the budget are taken already (replicas the device backs up).
     """
-    budget = cost.cluster.device(device).memory_bytes
+    budget = cost.cluster.device(device).memory_bytes - reserved
     states = cost.memory(start, end, 0, in_flight)
     per_sample = cost.memory(start, end, 1, in_flight) - states
     if states > budget:
@@ -54,6 +58,7 @@ def balance(
     *,
     memory: bool = True,
     free: Balanced | None = None,
+    reserved: Mapping[str, int] | None = None,
 ) -> Balanced | None:
     """Shares of a `micro`-sample micro-batch for `devices` on layers [start, end).
 
@@ -63,7 +68,8 @@ def balance(
     are cut and the split rebalanced under the caps. Returns None when the
     group cannot run the range: more devices than samples, or (with
     `memory`) a member that cannot hold the range even with one sample, or
-    budgets that together hold fewer than `micro` samples.
+    budgets that together hold fewer than `micro` samples. `reserved` takes
+    replica bytes off the budgets of the devices that back up other stages.
     """
     n = len(devices)
     if n > micro:
@@ -73,12 +79,42 @@ def balance(
         free = _split(cost, devices, start, end, micro, [limit] * n)
     if not memory:
         return free
-    caps = [min(limit, capacity(cost, d, start, end, in_flight)) for d in devices]
+    held = reserved or {}
+    caps = [min(limit, capacity(cost, d, start, end, in_flight, held.get(d, 0))) for d in devices]
     if all(c <= cap for c, cap in zip(free.counts, caps, strict=True)):
         return free
     if min(caps) < 1 or sum(caps) < micro:
         return None
     return _split(cost, devices, start, end, micro, caps)
+
+
+def fit_backups(cost: CostModel, plan: Plan) -> Plan | None:
+    """`plan` with the splits of replica-holding groups refitted to what is left, or None.
+
+    A backup node holds a neighbouring stage's replica, which the planners'
+    search does not see when it splits a group; who backs up whom depends only
+    on the groups and ranges, though, so once the plan is whole a group whose
+    split overflows beside its replicas is split again within what they leave
+    of the budgets (a split that fits is kept). None when such a group cannot
+    hold its range beside the replicas at all.
+    """
+    reserved = cost.reserved(plan)
+    stages = list(plan.stages)
+    for p, spec in enumerate(plan.stages):
+        k = plan.warmup(p)
+        counts = [hi - lo for lo, hi in plan.ranges(p).values()]
+        devs = [a.device for a in spec.devices]
+        caps = [capacity(cost, d, spec.start, spec.end, k, reserved[d]) for d in devs]
+        if all(n <= c for n, c in zip(counts, caps, strict=True)):
+            continue
+        got = balance(cost, devs, spec.start, spec.end, plan.micro_size, k, reserved=reserved)
+        if got is None:
+            return None
+        allocs = [
+            a.model_copy(update={"share": n}) for a, n in zip(spec.devices, got.counts, strict=True)
+        ]
+        stages[p] = spec.model_copy(update={"devices": allocs})
+    return plan.model_copy(update={"stages": stages})
 
 
 def _split(

@@ -18,7 +18,7 @@ from common.errors import ConfigError, PlanError
 from common.ids import DeviceId
 from common.plan import Allocation, Plan, StageSpec
 from services.planner.cost import CostModel
-from services.planner.simulator import estimate
+from services.planner.simulator import estimate, estimate_parts
 
 __all__ = [
     "PLANNERS",
@@ -182,9 +182,11 @@ def finish(
                 f"plan overshoots: {'; '.join(over)}",
                 over,
             )
+    round_s, comm_s = estimate_parts(plan, cost)
     return plan.model_copy(
         update={
-            "predicted_round_s": estimate(plan, cost),
+            "predicted_round_s": round_s,
+            "predicted_comm_s": comm_s,
             "predicted_peak_bytes": cost.plan_memory(plan),
         }
     )

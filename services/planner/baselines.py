@@ -19,10 +19,11 @@ from common.errors import ConfigError
 from common.plan import Plan, StageSpec, split_ranges
 from services.planner._partition import minmax_cuts
 from services.planner._steps import total
-from services.planner.balance import balance, capacity, proportional
+from services.planner.balance import balance, capacity, fit_backups, proportional
 from services.planner.base import (
     PlanDoesNotFit,
     Planner,
+    check_memory,
     finish,
     micro_size,
     register,
@@ -274,7 +275,10 @@ class DuanWuPlanner(Planner):
     output end, so each stage's K_p = 2q-1 (q-th from the end) is known while
     its memory is checked; devices the smallest T does not need stay unused;
     the paper's separate forward/backward resource split is not modelled.
-    Memory-aware.
+    Memory-aware, with Asteroid-Edge's backups (which the paper lacks): a
+    stage grows only while the replicas it brings fit too, its own on the
+    next stage's first device (if it is a single device) and, once it reaches
+    layer 0, the last stage's on its own first device (`_backups_fit`).
     """
 
     name = "duanwu"
@@ -298,6 +302,11 @@ class DuanWuPlanner(Planner):
                     break
                 specs.append(stage(lo, hi, group, got.counts))
             else:
+                raw = Plan(stages=specs, global_batch=global_batch, microbatches=microbatches)
+                # the greedy checked speed-proportional shares; Algorithm 1's integer
+                # split is fitted around the replicas once the plan is whole
+                fitted = fit_backups(cost, raw)
+                specs = list(fitted.stages) if fitted is not None else specs
                 return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=True)
         raise PlanDoesNotFit(
             f"planner {self.name} found no grouping of {len(devs)} devices whose stages each "
@@ -340,6 +349,10 @@ class DuanWuPlanner(Planner):
                 while start > 0 and self._fits(
                     cost, group, start - 1, end, micro, k, memory, target
                 ):
+                    if memory and not self._backups_fit(
+                        cost, group, stages, start - 1, end, micro, k, m
+                    ):
+                        break
                     start -= 1
             stages.insert(0, (start, end, group))
             end = start
@@ -366,10 +379,53 @@ class DuanWuPlanner(Planner):
             return False
         if not memory:
             return True
+        return self._shares_fit(cost, group, lo, hi, micro, k, {})
+
+    def _backups_fit(
+        self,
+        cost: CostModel,
+        group: list[str],
+        built: list[tuple[int, int, list[str]]],
+        lo: int,
+        hi: int,
+        micro: int,
+        k: int,
+        m: int,
+    ) -> bool:
+        """Whether the replicas a stage [lo, hi) on `group` brings fit (Asteroid Fig. 9).
+
+        `built` are the stages after it. A single-device stage puts its replica
+        on the next stage's first device; a stage reaching layer 0 is the
+        first, and its first device holds the last stage's if that is single.
+        """
+        if not built:
+            return True
+        if len(group) == 1:
+            start, end, nxt = built[0]
+            held = {nxt[0]: cost.replica(lo, hi)}
+            if not self._shares_fit(cost, nxt, start, end, micro, min(2 * len(built) - 1, m), held):
+                return False
+        last_lo, last_hi, last = built[-1]
+        if lo == 0 and len(last) == 1:
+            held = {group[0]: cost.replica(last_lo, last_hi)}
+            return self._shares_fit(cost, group, lo, hi, micro, k, held)
+        return True
+
+    @staticmethod
+    def _shares_fit(
+        cost: CostModel,
+        group: Sequence[str],
+        lo: int,
+        hi: int,
+        micro: int,
+        k: int,
+        reserved: dict[str, int],
+    ) -> bool:
+        """Whether each member holds its speed-proportional share, `reserved` bytes taken."""
         rates = [1.0 / max(cost.step(d, lo, hi, micro), 1e-300) for d in group]
         whole = sum(rates)
         return all(
-            capacity(cost, d, lo, hi, k) >= math.ceil(micro * r / whole)
+            capacity(cost, d, lo, hi, k, reserved.get(d, 0)) >= math.ceil(micro * r / whole)
             for d, r in zip(group, rates, strict=True)
         )
 
@@ -382,7 +438,8 @@ class OptimalPlanner(Planner):
     order inside a group: it decides the routes), times every split of the
     layers into that many contiguous ranges, times every integer split of a
     micro-batch among each stage's devices (at least one sample each, checked
-    against each budget with K_p = 2(S-p)-1). Nothing of Asteroid's own
+    against each budget with K_p = 2(S-p)-1, and whole plans against the
+    budgets with backup replicas counted). Nothing of Asteroid's own
     search (Algorithm 1's `balance`, the dominant-step estimate) is used, so
     comparing the two is not comparing a part with itself. Candidates are
     scored by the discrete-event simulator, so "optimal" means fastest as the
@@ -462,6 +519,8 @@ class OptimalPlanner(Planner):
                 microbatches=microbatches,
                 planner=self.name,
             )
+            if check_memory(plan, cost):  # a backup node's replica overflows its budget
+                continue
             score = simulate(plan, cost).round_s
             if best is None or score < best[0]:
                 best = (score, specs)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from common.errors import ConfigError
-from common.memory_model import stage_bytes
+from common.ids import DeviceId
+from common.memory_model import replica_bytes, stage_bytes
 from common.plan import Plan
 from common.profile import ClusterSpec, Profile
 
@@ -113,11 +114,32 @@ class CostModel:
             in_flight,
         )
 
+    def replica(self, start: int, end: int) -> int:
+        """Bytes a backup node keeps for the replica of layers [start, end)."""
+        return replica_bytes(
+            self._params[end] - self._params[start], self._optim[end] - self._optim[start]
+        )
+
+    def reserved(self, plan: Plan) -> dict[str, int]:
+        """Replica bytes each device of `plan` holds for other stages (0 for most).
+
+        They depend only on the layer ranges and the groups, never on the
+        shares, so a stage's split can be fitted around them.
+        """
+        return {
+            dev: sum(
+                self.replica(plan.stages[s].start, plan.stages[s].end)
+                for s in plan.backups_held(DeviceId(dev))
+            )
+            for dev in plan.devices
+        }
+
     def plan_memory(self, plan: Plan) -> dict[str, int]:
-        """Predicted peak bytes of every device of `plan`."""
+        """Predicted peak bytes of every device of `plan`, backup replicas included."""
+        reserved = self.reserved(plan)
         out: dict[str, int] = {}
         for s, stage in enumerate(plan.stages):
             k = plan.warmup(s)
             for dev, (lo, hi) in plan.ranges(s).items():
-                out[dev] = self.memory(stage.start, stage.end, hi - lo, k)
+                out[dev] = self.memory(stage.start, stage.end, hi - lo, k) + reserved[dev]
         return out

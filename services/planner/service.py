@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 import zmq
-from pydantic_settings import CliApp
 
+from common.cli_args import parse_settings
 from common.codec import Limits, encode, recv_message
 from common.curve import service_keys
 from common.errors import AsteroidError, ConfigError, ProtocolError
@@ -35,6 +35,7 @@ from common.sockets import connect_dealer
 from common.store import Store
 from services.planner.base import get_planner
 from services.planner.cost import CostModel
+from services.planner.simulator import estimate
 
 __all__ = ["IDENTITY", "PlannerService", "main", "make_plan", "run"]
 
@@ -42,12 +43,23 @@ log = get_logger(__name__)
 IDENTITY = "planner"
 
 
-def make_plan(store: Store, req: PlanRequest) -> Plan:
-    """Plan `req` with the named planner and store the result under `plan:<job>`."""
+def make_plan(store: Store, req: PlanRequest) -> tuple[Plan, float]:
+    """Plan `req` with the named planner and store the result under `plan:<job>`.
+
+    Also the predicted round of `req.current` on the same cluster (0 without
+    one, or if it does not fit the cluster): a re-plan compares the two by the
+    same cost model.
+    """
     cost = CostModel(load_profiles(store, req.profiles), req.cluster)
     plan = get_planner(req.planner).plan(cost, req.global_batch, req.microbatches)
     store.put_json(plan.model_dump(mode="json"), "plan", req.job_id)
-    return plan
+    current_s = 0.0
+    if req.current is not None:
+        try:
+            current_s = estimate(req.current, cost)
+        except AsteroidError as exc:
+            log.warning("cannot predict the running plan", job=req.job_id, error=str(exc))
+    return plan, current_s
 
 
 class PlannerService:
@@ -108,7 +120,7 @@ class PlannerService:
         req = env.msg
         t0 = time.perf_counter()
         try:
-            plan = make_plan(self.store, req)
+            plan, current_s = make_plan(self.store, req)
         except AsteroidError as exc:
             log.warning("planning failed", job=req.job_id, planner=req.planner, error=str(exc))
             self._send(PlanReply(job_id=req.job_id, ok=False, error=str(exc)))
@@ -122,7 +134,12 @@ class PlannerService:
             seconds=time.perf_counter() - t0,
         )
         self._send(
-            PlanReply(job_id=req.job_id, ok=True, predicted_round_s=plan.predicted_round_s or 0.0)
+            PlanReply(
+                job_id=req.job_id,
+                ok=True,
+                predicted_round_s=plan.predicted_round_s or 0.0,
+                current_round_s=current_s,
+            )
         )
 
 
@@ -148,7 +165,7 @@ def run(settings: CommonSettings) -> ExitCode:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `asteroid-planner`."""
-    settings = CliApp.run(CommonSettings, cli_args=sys.argv[1:] if argv is None else argv)
+    settings = parse_settings(CommonSettings, argv, "asteroid-planner")
     configure_logging(settings.log_level, settings.log_format, service=IDENTITY)
     sys.exit(int(run(settings)))
 

@@ -24,7 +24,7 @@ from common.plan import Plan, Route, routes
 from common.schedule import POLICIES, Action, PoolView, next_task
 from services.planner.cost import CostModel
 
-__all__ = ["Event", "SimResult", "estimate", "simulate"]
+__all__ = ["Event", "SimResult", "estimate", "estimate_parts", "simulate"]
 
 EventKind = Literal["F", "B", "send", "recv", "allreduce"]
 
@@ -313,13 +313,26 @@ def estimate(plan: Plan, cost: CostModel) -> float:
     link contention and the overlap of a boundary's two directions, so it is a
     planning heuristic: `simulate` gives the schedule-exact figure.
     """
+    return estimate_parts(plan, cost)[0]
+
+
+def estimate_parts(plan: Plan, cost: CostModel) -> tuple[float, float]:
+    """`estimate`'s round, and the part of it the most idle device spends not computing.
+
+    A device computes M times its own step; the rest of the round it waits for
+    its peers (their transfers, the pipeline's fill and drain, slower stages)
+    or all-reduces. That is what a worker reports as `wait_s + allreduce_s`,
+    so the job can compare the two: a plan made on fast links predicts little
+    beyond the pipeline's own bubbles.
+    """
     steps: list[float] = []
     reduce = 0.0
+    fastest = float("inf")
     for s, stage in enumerate(plan.stages):
         ranges = plan.ranges(s)
-        steps.append(
-            max(cost.step(d, stage.start, stage.end, hi - lo) for d, (lo, hi) in ranges.items())
-        )
+        own = [cost.step(d, stage.start, stage.end, hi - lo) for d, (lo, hi) in ranges.items()]
+        steps.append(max(own))
+        fastest = min(fastest, *own)
         group = [a.device for a in stage.devices]
         reduce = max(reduce, cost.allreduce(group, stage.start, stage.end))
         if s + 1 < len(plan.stages):
@@ -329,4 +342,5 @@ def estimate(plan: Plan, cost: CostModel) -> float:
                 for nbytes in [cost.boundary_bytes(stage.end, r.hi - r.lo)]
             ]
             steps.append(max(comm, default=0.0))
-    return sum(steps) + (plan.microbatches - 1) * max(steps) + reduce
+    round_s = sum(steps) + (plan.microbatches - 1) * max(steps) + reduce
+    return round_s, max(0.0, round_s - plan.microbatches * fastest)

@@ -10,7 +10,8 @@ stopped (see `services.profiler.service`).
 Exit codes: 0 profile ready (with `--serve`: stopped by SIGTERM/SIGINT, like
 the planner service), 2 invalid settings or model (with `--serve`: also a
 `--keys` directory without a service key or the coordinator's public key), 3
-Redis unreachable or profiling failed, 130 interrupted
+Redis (or, without a Redis URL, the coordinator that says where it is)
+unreachable or profiling failed, 130 interrupted
 (`common.exit_codes.ExitCode`).
 """
 
@@ -20,16 +21,18 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import redis
 import torch
 import zmq
-from pydantic_settings import CliApp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from common.cli_args import parse_settings
+from common.curve import service_keys
 from common.device import (
     default_threads,
     device_fingerprint,
@@ -38,6 +41,7 @@ from common.device import (
 )
 from common.errors import AsteroidError, ConfigError, StoreError
 from common.exit_codes import ExitCode
+from common.locate import CoordinatorUnreachable, with_redis
 from common.logging import bind_global, configure_logging, get_logger
 from common.memory import keep_freed_memory
 from common.model_key import model_key
@@ -52,6 +56,10 @@ from services.profiler.service import ProfilerService
 __all__ = ["main", "parse_options", "run", "serve"]
 
 log = get_logger(__name__)
+REDIS_USER = "profiler"
+"""The profiler's Redis ACL user (deploy/redis-acl.conf), whose password a key set may hold."""
+LOCATE_PATIENCE_S = 30.0
+"""Longest a one-off profile waits for the coordinator to say where Redis is."""
 
 
 def parse_options(text: str) -> dict[str, OptionValue]:
@@ -172,7 +180,22 @@ def _summary(prof: Profile, largest: int = 32) -> Table:
 
 
 def run(settings: ProfilerSettings) -> ExitCode:
-    """Profile (or reuse the stored profile of) one model on this device."""
+    """Profile (or reuse the stored profile of) one model on this device.
+
+    Given a coordinator but no Redis URL, it asks that coordinator where Redis
+    is (for up to `LOCATE_PATIENCE_S`); given neither, it uses the default URL.
+    """
+    try:
+        given = settings.model_fields_set
+        if "coordinator" in given and "redis_url" not in given:
+            keys, _ = service_keys(settings.keys)
+            settings = with_redis(settings, keys, REDIS_USER, patience_s=LOCATE_PATIENCE_S)
+    except CoordinatorUnreachable as exc:
+        log.error("profiling failed", error=str(exc))
+        return ExitCode.JOB_FAILED
+    except ConfigError as exc:
+        log.error("invalid settings", error=str(exc))
+        return ExitCode.CONFIG
     try:
         spec = ModelSpec(
             name=settings.model,
@@ -229,23 +252,39 @@ def run(settings: ProfilerSettings) -> ExitCode:
 
 
 def serve(settings: ProfilerSettings) -> ExitCode:
-    """Answer profile requests until SIGTERM or SIGINT, which stop it cleanly (exit code OK)."""
+    """Answer profile requests until SIGTERM or SIGINT, which stop it cleanly (exit code OK).
+
+    Without a Redis URL, the coordinator is asked where Redis is first (the
+    password comes from the key set, as Redis user `profiler`).
+    """
+    stopping = threading.Event()
+    started: list[ProfilerService] = []
+
+    def _stop(signum: int, _: object) -> None:
+        log.info("stopping", signal=signal.Signals(signum).name)
+        stopping.set()
+        for service in started:
+            service.stopping.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
+        keys, _ = service_keys(settings.keys)
+        settings = with_redis(settings, keys, REDIS_USER, stopping.is_set)
         service = ProfilerService(settings)
+    except CoordinatorUnreachable:  # only when stopped while asking
+        log.info("stopped before the coordinator answered", coordinator=settings.coordinator)
+        return ExitCode.OK
     except ConfigError as exc:
         log.error("profiler service cannot start", keys=str(settings.keys), error=str(exc))
         return ExitCode.CONFIG
     except zmq.ZMQError as exc:
         log.error("invalid coordinator address", address=settings.coordinator, error=str(exc))
         return ExitCode.CONFIG
-    bind_global(service=service.identity)
-
-    def _stop(signum: int, _: object) -> None:
-        log.info("stopping", signal=signal.Signals(signum).name)
+    started.append(service)
+    if stopping.is_set():
         service.stopping.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    bind_global(service=service.identity)
     try:
         service.serve()
     except StoreError as exc:
@@ -260,7 +299,7 @@ def _interrupt(signum: int, _: object) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `asteroid-profiler`."""
-    settings = CliApp.run(ProfilerSettings, cli_args=sys.argv[1:] if argv is None else argv)
+    settings = parse_settings(ProfilerSettings, argv, "asteroid-profiler")
     configure_logging(settings.log_level, settings.log_format)
     keep_freed_memory()  # allocate like a worker does, so the times match its own
     if settings.serve:

@@ -23,7 +23,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ import yaml
 
 from common.curve import FOLDERS, create_key_set
 from common.embedded_redis import EmbeddedRedis
+from common.entry_points import service_command
 from common.errors import AsteroidError, ConfigError
 from common.logging import get_logger
 from common.procs import spawn, stop_all
@@ -224,7 +224,8 @@ class Testbed:
         return self
 
     def _build(self) -> None:
-        net.run_all(net.bridge_commands(self.tag, self.spec.subnet, self.bridge))
+        iptables = shutil.which("iptables") is not None
+        net.run_all(net.bridge_commands(self.tag, self.spec.subnet, self.bridge, iptables))
         self.netem = net.netem_available(net.bridge_name(self.tag))
         if not self.netem and any(d.latency_ms > 0 for d in self.spec.devices):
             log.warning("this kernel has no netem queue: links get no added latency")
@@ -281,18 +282,17 @@ class Testbed:
         spec_file = self.log_dir / "cluster-spec.yaml"
         planned = cluster_spec(self.spec)
         spec_file.write_text(yaml.safe_dump(planned.model_dump(mode="json")))
-        py = [sys.executable, "-m"]
-        coordinator = [*py, "services.coordinator.main", "--bind", self.coordinator]
+        coordinator = [*service_command("coordinator"), "--bind", self.coordinator]
         coordinator += ["--redis-url", self.redis_url, "--cluster-spec", str(spec_file)]
         for name, cmd in (
             ("coordinator", coordinator),
-            ("planner", [*py, "services.planner.service"]),
+            ("planner", service_command("planner")),
         ):
             self.procs[name] = spawn(cmd, self.env(), self.log_dir / f"{name}.log")
             self._check_stop()
         for dev in self.devices:
             self.start_worker(dev)
-            profiler = [*py, "services.profiler.main", "--serve", "--coordinator", self.coordinator]
+            profiler = [*service_command("profiler"), "--serve", "--coordinator", self.coordinator]
             profiler += ["--keys", str(self.profiler_keys())]
             self.start(
                 dev, f"{dev}.profiler", [*profiler, "--redis-url", self.redis_url], "profiler"
@@ -306,7 +306,7 @@ class Testbed:
         reports it, and it and its profiler name the device alike.
         """
         budget = str(cluster_spec(self.spec).device(dev).memory_bytes)
-        worker = [sys.executable, "-m", "services.worker.main", "--device", dev]
+        worker = [*service_command("worker"), "--device", dev]
         worker += ["--threads", str(self.threads), "--memory-budget", budget]
         self._killed.discard(dev)
         return self.start(dev, f"{dev}.worker", [*worker, "--coordinator", self.coordinator])

@@ -12,6 +12,13 @@ digits); inside its namespace every device's end is simply ``eth0``. The
 bridge is never enslaved to a physical interface and namespaces get no
 default route, so nothing a device sends can leave the subnet.
 
+Frames between two devices cross the bridge; where the kernel's br_netfilter
+is loaded (Docker loads it) they also cross iptables' FORWARD chain, whose
+policy Docker sets to DROP, which silently cuts every device off from every
+other. So the testbed inserts its own ACCEPT rule for traffic from its bridge
+to its bridge, commented with its tag so that `down` (or a later cleanup
+that only knows the name) finds and deletes exactly that rule.
+
 Shaping happens where packets leave, on both ends of each veth: the
 namespace end shapes what the device sends, the host end what it receives,
 so a transfer from a to b crosses a's uplink and b's downlink. Each end gets
@@ -32,6 +39,7 @@ import ipaddress
 import math
 import re
 import secrets
+import shutil
 import subprocess
 from collections.abc import Sequence
 
@@ -47,10 +55,13 @@ __all__ = [
     "delete_commands",
     "device_commands",
     "drop_bytecode",
+    "forward_rule",
+    "forward_tag",
     "host_veth",
     "link_commands",
     "link_summary",
     "link_tag",
+    "list_forward_rules",
     "list_links",
     "list_netns",
     "loss_commands",
@@ -129,14 +140,49 @@ def _prefix(subnet: str) -> int:
     return ipaddress.IPv4Network(subnet).prefixlen
 
 
-def bridge_commands(tag: str, subnet: str, bridge_ip: str) -> list[Cmd]:
-    """Create the bridge with the host side's address and bring it up."""
+def bridge_commands(tag: str, subnet: str, bridge_ip: str, iptables: bool = False) -> list[Cmd]:
+    """Create the bridge with the host side's address and bring it up.
+
+    With `iptables` (the tool is installed, so a FORWARD policy may drop
+    bridged frames), also accept forwarding from the bridge to itself.
+    """
     br = bridge_name(tag)
+    accept = [["iptables", "-I", *forward_rule(tag)]] if iptables else []
     return [
+        *accept,
         ["ip", "link", "add", "name", br, "type", "bridge"],
         ["ip", "addr", "add", f"{bridge_ip}/{_prefix(subnet)}", "dev", br],
         ["ip", "link", "set", br, "up"],
     ]
+
+
+FORWARD_COMMENT = "asteroid-testbed-"
+"""Prefix of the comment on the testbed's FORWARD rule; the tag follows it."""
+
+
+def forward_rule(tag: str) -> list[str]:
+    """The FORWARD rule (after `-I`/`-D`) that lets devices of testbed `tag` reach each other."""
+    br = bridge_name(tag)
+    comment = FORWARD_COMMENT + check_tag(tag)
+    return ["FORWARD", "-i", br, "-o", br, "-m", "comment", "--comment", comment, "-j", "ACCEPT"]
+
+
+def forward_tag(rule: str) -> str | None:
+    """The testbed tag of a rule as `iptables -S` prints it, None for a rule not ours."""
+    m = re.search(r"--comment \"?" + re.escape(FORWARD_COMMENT) + r"([a-z0-9]+)\"?(\s|$)", rule)
+    return m.group(1) if m else None
+
+
+def list_forward_rules() -> dict[str, list[str]]:
+    """Our FORWARD rules by tag, as `-D` arguments; none where iptables is not installed."""
+    if shutil.which("iptables") is None:
+        return {}
+    out: dict[str, list[str]] = {}
+    for line in run(["iptables", "-S", "FORWARD"], check=False).splitlines():
+        tag = forward_tag(line)
+        if tag is not None and line.startswith("-A FORWARD "):
+            out[tag] = forward_rule(tag)
+    return out
 
 
 def device_commands(tag: str, index: int, device: str, subnet: str, address: str) -> list[Cmd]:

@@ -43,8 +43,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from common.errors import ConfigError
-from common.job import validation_message
+from common.errors import ConfigError, validation_message
 from common.presets import environment
 from common.profile import ClusterSpec, DeviceSpec
 

@@ -1,8 +1,9 @@
 """Finding testbeds by their names alone: what `down` removes and `status` shows.
 
-A testbed leaves three kinds of traces, each named after its tag: namespaces
-``ae-<tag>-<device>``, links ``aebr-<tag>`` and ``aev-<tag>-<i>``, and cgroups
-``asteroid-testbed/<tag>``. A crashed or SIGKILLed run leaves them behind
+A testbed leaves four kinds of traces, each named after its tag: namespaces
+``ae-<tag>-<device>``, links ``aebr-<tag>`` and ``aev-<tag>-<i>``, cgroups
+``asteroid-testbed/<tag>``, and an iptables FORWARD rule commented
+``asteroid-testbed-<tag>``. A crashed or SIGKILLed run leaves them behind
 (its processes die with it, the kernel objects do not), so these functions
 work from the names, without the run's `Testbed` object, from any shell.
 """
@@ -29,6 +30,7 @@ from services.testbed.net import (
     delete_commands,
     link_summary,
     link_tag,
+    list_forward_rules,
     list_links,
     list_netns,
     netns_name,
@@ -48,6 +50,8 @@ class Found:
     netns: list[str] = field(default_factory=list)
     links: dict[str, str] = field(default_factory=dict)
     cgroups: list[Path] = field(default_factory=list)
+    forward_rule: list[str] = field(default_factory=list)
+    """Its FORWARD rule as `iptables -D` arguments, empty when it has none."""
 
     def devices(self) -> list[str]:
         """Device names, from the namespaces and the cgroups."""
@@ -76,6 +80,9 @@ def find(tag_prefix: str = "", root: Path = Path("/")) -> dict[str, Found]:
     for g in find_testbed_groups(root):
         if g.name.startswith(tag_prefix):
             entry(g.name).cgroups.append(g)
+    for tag, rule in list_forward_rules().items():
+        if tag.startswith(tag_prefix):
+            entry(tag).forward_rule = rule
     return out
 
 
@@ -133,6 +140,12 @@ def remove(found: Found) -> list[str]:
                 done.append(what)
             else:
                 errors.append(str(exc))
+    if found.forward_rule:  # after the bridge: while it exists its frames need the rule
+        try:
+            run(["iptables", "-D", *found.forward_rule])
+            done.append(f"iptables rule {' '.join(found.forward_rule)}")
+        except NetError as exc:
+            errors.append(str(exc))
     if errors:
         raise AsteroidError(f"testbed {found.tag} not fully removed: " + "; ".join(errors))
     return done

@@ -2,26 +2,33 @@
 
 Main thread: commands from the coordinator (assign, run round, evaluate,
 checkpoint, shutdown) and all torch compute. Side threads: control link
-(heartbeats), receiver (task pool) and dispatcher (sends). A failure inside a
+(heartbeats), receiver (task pool), dispatcher (sends), the bandwidth sink
+peers measure their link to this device with, and the link prober that
+measures this device's links when the coordinator asks (MeasureLinks). A failure inside a
 command is reported to the coordinator as a WorkerError; the worker keeps
 serving.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import queue
 import signal
 import socket
 import sys
 import threading
+import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import zmq
-from pydantic_settings import CliApp
 from torch import nn
 
+from common.bandwidth import BandwidthSink
+from common.cli_args import parse_settings
 from common.codec import Limits
 from common.curve import load_keys
 from common.device import (
@@ -30,17 +37,23 @@ from common.device import (
     training_budget,
     visible_cores,
 )
-from common.errors import AsteroidError, ConfigError
+from common.errors import AsteroidError, ConfigError, RoundAbortedError
 from common.exit_codes import ExitCode
 from common.ids import DeviceId
+from common.locate import CoordinatorUnreachable, with_redis
 from common.logging import bind_global, configure_logging, get_logger
 from common.memory import keep_freed_memory
 from common.messages import (
     Assign,
     Assigned,
     CheckpointSaved,
+    Collect,
     EvalDone,
+    Handover,
     Heartbeat,
+    LayerState,
+    MeasureLinks,
+    ReplicaSaved,
     RoundDone,
     RunEval,
     RunRound,
@@ -50,11 +63,15 @@ from common.messages import (
 )
 from common.settings import WorkerSettings
 from common.store import Store
+from common.version import VERSION
+from common.zoo import ModelSpec, ZooModel, build_model
 from services.worker.addressing import data_hosts
 from services.worker.control import ControlLink
 from services.worker.faults import FailAt
+from services.worker.holdings import HeldLayer, Holdings, ReplicaSource
+from services.worker.links import LinkProber
 from services.worker.pool import TaskPool
-from services.worker.stage import StageRunner
+from services.worker.stage import StageRunner, blob_tensor
 from services.worker.transport import Dispatcher, Receiver
 
 __all__ = ["Worker", "main"]
@@ -89,12 +106,24 @@ class Worker:
         self.limits = Limits(settings.max_header_bytes, settings.max_tensor_bytes)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.pool = TaskPool(settings.pool_max_bytes)
+        self.holdings = Holdings(settings.pool_max_bytes, self._replica_saved)
         bind, host = data_hosts(settings.data_host, settings.advertise_host, settings.coordinator)
         self.receiver = Receiver(
-            self.ctx, f"tcp://{bind}:{settings.data_port}", self.limits, self.pool, keys
+            self.ctx,
+            f"tcp://{bind}:{settings.data_port}",
+            self.limits,
+            self.pool,
+            keys,
+            self.holdings,
         )
         self.data_addr = f"tcp://{host}:{self.receiver.endpoint.rsplit(':', 1)[1]}"
+        # secured like the data socket, so a probe measures what tensors will see
+        self.sink = BandwidthSink(
+            self.ctx, f"tcp://{bind}:{settings.link_port}", self.limits, keys=keys
+        )
+        self.link_addr = f"tcp://{host}:{self.sink.endpoint.rsplit(':', 1)[1]}"
         self.dispatcher = Dispatcher(self.ctx, self.device, keys)
+        self.bulk = Dispatcher(self.ctx, self.device, keys, session="bulk")
         self.control = ControlLink(
             self.ctx,
             settings.coordinator,
@@ -105,9 +134,12 @@ class Worker:
             self.pool.abort,
             keys,
         )
+        self.prober = LinkProber(self.ctx, self.device, keys, self.control.send)
         self.fingerprint = device_fingerprint(torch.get_num_threads(), settings.memory_budget)
         self.budget = settings.memory_budget
         self.runner: StageRunner | None = None
+        self._zoo: tuple[str, ZooModel] | None = None
+        """The job's model last built here, by its (model, seed) key."""
         self.state = "idle"
         self.stopping = threading.Event()
         self.fail_at = FailAt.parse(settings.fail_at)
@@ -120,6 +152,7 @@ class Worker:
         return Heartbeat(
             device=self.device,
             data_addr=self.data_addr,
+            link_addr=self.link_addr,
             memory_budget=self.budget,
             fingerprint=self.fingerprint,
             threads=torch.get_num_threads(),
@@ -134,6 +167,7 @@ class Worker:
             state=self.state,
             progress=r.progress if r else 0,
             waiting=r.waiting if r else False,
+            version=VERSION,
         )
 
     def serve(self) -> None:
@@ -142,13 +176,17 @@ class Worker:
         # measured after torch is loaded: what is left is what training may use
         self.budget = training_budget(self.settings.memory_budget)
         self.receiver.start()
+        self.sink.start()
         self.dispatcher.start()
+        self.bulk.start()
         self.control.start()
         log.info(
             "worker started",
             data=self.data_addr,
+            link=self.link_addr,
             coordinator=self.settings.coordinator,
             redis=self.store.where,
+            version=VERSION,
         )
         try:
             while not self.stopping.is_set():
@@ -183,11 +221,22 @@ class Worker:
                         digest=digest,
                     )
                 )
+            elif isinstance(msg, Collect):
+                self._collect(msg)
+            elif isinstance(msg, Handover):
+                self._hand_over(msg)
+            elif isinstance(msg, MeasureLinks):
+                self.prober.start(msg)  # probes beside the stage; answers when done
             elif isinstance(msg, Shutdown):
                 log.info("shutdown requested", reason=msg.reason)
                 self.stopping.set()
             else:
                 log.warning("unexpected control message", type=getattr(msg, "type", "?"))
+        except RoundAbortedError as exc:
+            # the coordinator's own doing (a new plan, a gather, a stop): nothing to report,
+            # and an error of this epoch would fail what it asked for next
+            self.state = "ready"
+            log.info("command abandoned", command=getattr(msg, "type", "?"), reason=str(exc))
         except (AsteroidError, RuntimeError, ValueError, KeyError, MemoryError) as exc:
             # Reported, not fatal: the coordinator decides what happens to the job.
             self.state = "error"
@@ -199,16 +248,159 @@ class Worker:
                 )
             )
 
+    def _model(self, spec: ModelSpec, seed: int) -> ZooModel:
+        """The job's model, built once per (model, seed) and reused by re-assignments.
+
+        Every layer's state is loaded anew by the stage, so reusing the layers is
+        exact, and a recovery does not pay for building the network again.
+        """
+        key = json.dumps([spec.model_dump(mode="json"), seed], sort_keys=True)
+        if self._zoo is None or self._zoo[0] != key:
+            self._zoo = (key, build_model(spec, seed, self.settings.model_modules))
+        return self._zoo[1]
+
     def _current(self, epoch: int) -> StageRunner:
         if self.runner is None or self.runner.epoch != epoch:
             have = self.runner.epoch if self.runner else None
             raise AsteroidError(f"no stage assigned for plan epoch {epoch} (have {have})")
         return self.runner
 
-    def _assign(self, msg: Assign) -> None:
-        self.state = "loading"
-        self.runner = None
+    def _held(self, version: int, layers: Iterable[int]) -> dict[int, HeldLayer]:
+        """The copies of `layers` at `version` held here: snapshots, replicas or the live state.
+
+        The live state counts only between rounds: inside one, batch-norm
+        statistics move with every forward, and the round's start is a snapshot.
+        It is copied once for all the layers that need it.
+        """
+        out: dict[int, HeldLayer] = {}
+        live: dict[int, HeldLayer] | None = None
+        runner = self.runner
+        for layer in layers:
+            held = self.holdings.get(version, layer)
+            if (
+                held is None
+                and runner is not None
+                and runner.round == version
+                and not runner.in_round
+                and runner.start <= layer < runner.end
+            ):
+                live = runner.layers() if live is None else live
+                held = live[layer]
+            if held is None:
+                raise AsteroidError(
+                    f"no state of layer {layer} at version {version} on {self.device} "
+                    f"(holding {self.holdings.versions()})"
+                )
+            out[layer] = held
+        return out
+
+    def _migrate(self, msg: Assign, timings: dict[str, float]) -> dict[int, HeldLayer] | None:
+        """Send peers the layers they need, then gather this stage's own at `from_round`.
+
+        Every device sends before it waits, so the transfers run concurrently
+        and no two devices wait on each other. Only the layers sent are
+        serialised; the ones this device keeps go to the new stage as copies.
+        None: the stage loads from Redis. `timings` gets the seconds spent
+        sending (`send_s`) and waiting for the peers' layers (`wait_s`).
+        """
+        if msg.sources is None:
+            return None
+        t0 = time.perf_counter()
+        version = msg.from_round
+        spec = msg.plan.stages[msg.stage]
+        kept = [layer for layer in range(spec.start, spec.end) if layer not in msg.sources]
+        held = self._send_layers(msg.epoch, version, msg.sends, kept)
+        own = {layer: held[layer] for layer in kept}
+        self.holdings.reset(msg.epoch, self._backed_up(msg))
+        t1 = time.perf_counter()
+        migrated = self.holdings.take_migrated(
+            msg.epoch,
+            {layer: str(d) for layer, d in msg.sources.items()},
+            self.settings.task_timeout_s,
+            lambda: "the worker is stopping" if self.stopping.is_set() else None,
+        )
+        own.update((layer, HeldLayer(blob=blob)) for layer, blob in migrated.items())
+        timings.update(send_s=t1 - t0, wait_s=time.perf_counter() - t1)
+        return own
+
+    def _send_layers(
+        self, epoch: int, version: int, sends: Mapping[DeviceId, list[int]], kept: list[int]
+    ) -> dict[int, HeldLayer]:
+        """Send each peer its layers at `version`; the held copies of those and of `kept`."""
+        sent = {layer for layers in sends.values() for layer in layers}
+        held = self._held(version, sorted(sent.union(kept)))
+        for dst, layers in sorted(sends.items()):
+            for layer in layers:
+                part = LayerState(epoch=epoch, version=version, layer=layer, purpose="migrate")
+                self.dispatcher.send(str(dst), part, [blob_tensor(held[layer].blob())])
+        return held
+
+    def _hand_over(self, msg: Handover) -> None:
+        """Leaving the plan: send the layers only this device held to their new places."""
         self.dispatcher.set_peers(msg.peers)
+        self._send_layers(msg.epoch, msg.version, msg.sends, [])
+        log.info(
+            "handed layers over",
+            version=msg.version,
+            to={str(d): len(layers) for d, layers in msg.sends.items()},
+        )
+
+    def _backed_up(self, msg: Assign) -> ReplicaSource | None:
+        """The stage whose replica this device holds under `msg.plan`, if any."""
+        held = msg.plan.backups_held(self.device)
+        if not held:
+            return None
+        stage = msg.plan.stages[held[0]]
+        return ReplicaSource(str(stage.devices[0].device), stage.start, stage.end)
+
+    def _replica_saved(self, src: ReplicaSource, version: int) -> None:
+        """Tell the coordinator a replica is complete here (called by the receiver)."""
+        self.control.send(
+            ReplicaSaved(
+                device=self.device,
+                epoch=self.holdings.epoch,
+                version=version,
+                origin=DeviceId(src.origin),
+                start=src.start,
+                end=src.end,
+            )
+        )
+
+    def _collect(self, msg: Collect) -> None:
+        """Write the layers held at `msg.version` to Redis (heavy recovery's gather)."""
+        self._current(msg.epoch)
+        blobs = {layer: held.blob() for layer, held in self._held(msg.version, msg.layers).items()}
+        job = self.runner.assign.job.job_id if self.runner else ""
+
+        def write() -> None:
+            for layer, blob in blobs.items():
+                self.store.put_blob(blob, "ckpt", job, msg.version, "layer", layer)
+
+        self.store.ride_out(
+            write, f"collecting version {msg.version}", self.settings.redis_outage_s, time.sleep
+        )
+        digest = hashlib.sha256(b"".join(blobs[layer] for layer in sorted(blobs))).hexdigest()
+        self.control.send(
+            CheckpointSaved(
+                device=self.device,
+                epoch=msg.epoch,
+                round=msg.version,
+                layers=sorted(blobs),
+                stage=self.runner.p if self.runner else 0,
+                digest=digest,
+            )
+        )
+
+    def _assign(self, msg: Assign) -> None:
+        t0 = time.perf_counter()
+        self.state = "loading"
+        self.dispatcher.set_peers(msg.peers)
+        self.bulk.set_peers(msg.peers)
+        timings: dict[str, float] = {}
+        layers = self._migrate(msg, timings)
+        if layers is None:
+            self.holdings.reset(msg.epoch, self._backed_up(msg))
+        self.runner = None
         self.runner = StageRunner(
             msg,
             self.device,
@@ -219,14 +411,22 @@ class Worker:
             self.settings.model_modules,
             self.settings.redis_outage_s,
             self.fail_at,
+            layers,
+            self.holdings,
+            self.bulk,
+            self._model(msg.job.model, msg.job.seed),
         )
         bind_global(job=msg.job.job_id, stage=msg.stage, epoch=msg.epoch)
         self.state = "ready"
+        timings.update(self.runner.load_timings, total_s=time.perf_counter() - t0)
         log.info(
             "stage assigned",
             layers=[self.runner.start, self.runner.end],
             group=self.runner.group,
             k=self.runner.k,
+            from_round=msg.from_round,
+            peers=msg.sources is not None,
+            **{name: round(s, 4) for name, s in timings.items()},
         )
         self.control.send(
             Assigned(
@@ -241,7 +441,7 @@ class Worker:
         runner = self._current(msg.epoch)
         self.state = "training"
         bind_global(round=msg.round)
-        res = runner.run_round(msg.round)
+        res = runner.run_round(msg.round, msg.keep, msg.replicate)
         self._check_sends(f"round {msg.round}")
         self.state = "ready"
         self.control.send(
@@ -291,34 +491,51 @@ class Worker:
         """Stop threads and sockets; safe to call twice."""
         self.control.close()
         self.receiver.stop.set()
+        self.sink.close()
+        self.prober.join(timeout_s=1.0)
         self.dispatcher.close()
+        self.bulk.close()
         self.receiver.join(timeout=5)
         self.dispatcher.join(timeout=5)
+        self.bulk.join(timeout=5)
         self.store.close()
         self.ctx.destroy(linger=0)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `asteroid-worker`."""
-    settings = CliApp.run(WorkerSettings, cli_args=sys.argv[1:] if argv is None else argv)
+    settings = parse_settings(WorkerSettings, argv, "asteroid-worker")
     torch.set_num_threads(settings.threads or default_threads(settings.workers_per_host))
     keep_freed_memory()
     configure_logging(settings.log_level, settings.log_format)
-    try:
-        worker = Worker(settings)
-    except ConfigError as exc:  # e.g. its key is missing from --keys
-        log.error("worker cannot start", error=str(exc))
-        sys.exit(int(ExitCode.CONFIG))
-    bind_global(device=worker.device)
+    stopping = threading.Event()
+    started: list[Worker] = []
 
     def _stop(signum: int, _: object) -> None:
         log.info("signal received", signal=signal.Signals(signum).name)
-        worker.stopping.set()
-        # a command waiting for a peer or for Redis gives up now instead of at its timeout
-        worker.pool.abort(f"the worker is stopping ({signal.Signals(signum).name})")
+        stopping.set()
+        for worker in started:
+            worker.stopping.set()
+            # a command waiting for a peer or for Redis gives up now instead of at its timeout
+            worker.pool.abort(f"the worker is stopping ({signal.Signals(signum).name})")
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    try:
+        # no Redis URL given: the coordinator says where (the password is the key set's)
+        keys = load_keys(settings.keys, "worker", settings.device or None)
+        settings = with_redis(settings, keys, "worker", stopping.is_set)
+        worker = Worker(settings)
+    except CoordinatorUnreachable:  # only when stopped while asking
+        log.info("stopped before the coordinator answered", coordinator=settings.coordinator)
+        sys.exit(int(ExitCode.INTERRUPTED))
+    except ConfigError as exc:  # e.g. its key is missing from --keys
+        log.error("worker cannot start", error=str(exc))
+        sys.exit(int(ExitCode.CONFIG))
+    started.append(worker)
+    bind_global(device=worker.device)
+    if stopping.is_set():
+        worker.stopping.set()
     worker.serve()
 
 

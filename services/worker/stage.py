@@ -13,32 +13,56 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from common.checkpoint import load_stage, restore_optimizer, save_stage, stage_digest
-from common.errors import ConfigError, RoundAbortedError
+from common.checkpoint import (
+    load_stage,
+    restore_optimizer,
+    save_stage,
+    stage_digest,
+    stage_state,
+    stage_tensors,
+)
+from common.errors import CheckpointError, ConfigError, RoundAbortedError
 from common.ids import DeviceId
 from common.job import OptimizerSpec, learning_rate
 from common.job_data import open_data
-from common.messages import Activation, Assign, Gradient, ReduceChunk, StageTimings
+from common.messages import Activation, Assign, Gradient, LayerState, ReduceChunk, StageTimings
 from common.plan import routes
 from common.saved_bytes import SavedBytes, weight_storages
 from common.schedule import Action, PoolView, next_task
 from common.settings import REDIS_OUTAGE_S
 from common.store import Store
-from common.zoo import build_model
+from common.zoo import ZooModel, build_model
 from services.worker.allreduce import ring_allreduce
 from services.worker.evaluate import EvalResult, evaluate
 from services.worker.faults import FailAt
+from services.worker.holdings import HeldLayer, Holdings
 from services.worker.pool import Expected, TaskPool
 from services.worker.transport import Dispatcher
 
-__all__ = ["RoundResult", "RoundState", "StageRunner", "make_optimizer"]
+__all__ = [
+    "RoundResult",
+    "RoundState",
+    "StageRunner",
+    "blob_tensor",
+    "layers_state",
+    "make_optimizer",
+    "stage_layers",
+]
+
+StageState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]
+"""Stage-module weights (keys `j.rest`) and optimizer state by parameter name."""
+
+
+def blob_tensor(blob: bytes) -> torch.Tensor:
+    """A blob as the one uint8 tensor frame a LayerState carries (a copy: bytes are read-only)."""
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
 
 def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
@@ -56,6 +80,41 @@ def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.opt
             params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay
         )
     raise ConfigError(f"optimizer.kind {spec.kind!r} is not sgd, adam or adamw")
+
+
+def stage_layers(
+    module: nn.Sequential, optimizer: torch.optim.Optimizer, start: int
+) -> dict[int, HeldLayer]:
+    """The stage's state now, layer by layer (layers start, start+1, ...), as copies.
+
+    The same tensors, under the same names, as a checkpoint's layer blob
+    (`common.checkpoint.stage_blobs`), but copied, not serialised: a snapshot
+    taken every round then costs a memory copy, and only layers that are sent
+    are ever serialised (`HeldLayer.blob`).
+    """
+    tensors = stage_tensors(module, optimizer, start)
+    return {layer: HeldLayer(tensors=held) for layer, held in tensors.items()}
+
+
+def layers_state(
+    layers: Mapping[int, HeldLayer], start: int, end: int, source: str = "the state received"
+) -> StageState:
+    """Layers [start, end) as stage-module weights and optimizer state by parameter.
+
+    Raises:
+        CheckpointError: A layer is missing or its bytes are not valid safetensors.
+
+    """
+    tensors: dict[int, dict[str, torch.Tensor]] = {}
+    for layer in range(start, end):
+        held = layers.get(layer)
+        if held is None:
+            raise CheckpointError(f"{source} has no layer {layer}")
+        try:
+            tensors[layer] = held.tensors()
+        except CheckpointError as exc:
+            raise CheckpointError(f"{source}: layer {layer} {exc}") from exc
+    return stage_state(tensors, start)
 
 
 def _job_rounds(assign: Assign) -> int:
@@ -127,8 +186,25 @@ class StageRunner:
         allowed_modules: tuple[str, ...] = (),
         store_patience_s: float = REDIS_OUTAGE_S,
         fail_at: FailAt | None = None,
+        layers: Mapping[int, HeldLayer] | None = None,
+        holdings: Holdings | None = None,
+        bulk: Dispatcher | None = None,
+        zoo: ZooModel | None = None,
     ) -> None:
+        """Build the stage and load its state at version `assign.from_round`.
+
+        `zoo` is the job's model if the worker built it already: its layers are
+        reused (their whole state is loaded anew), so a re-assignment does not
+        pay for building the network again.
+
+        `layers` give that state from this worker's own copies and its peers;
+        without them it comes from the Redis checkpoint. With `holdings`, the
+        state at each round's start is kept for recovery, and `bulk` (a
+        low-priority dispatcher) carries replicas. `load_timings` says where
+        the construction's time went.
+        """
         self.assign, self.device, self.store = assign, device, store
+        self.holdings, self.bulk = holdings, bulk
         self.store_patience_s = store_patience_s
         """How long a checkpoint waits out a Redis outage (the worker's redis_outage_s)."""
         self.fail_at = fail_at
@@ -156,24 +232,32 @@ class StageRunner:
             if self.first
             else [r for r in routes(plan.ranges(p - 1), plan.ranges(p)) if r.dst == device]
         )
+        t0 = time.perf_counter()
         # user modules come from this worker's own settings (model_modules), never from the Assign
-        zoo = build_model(assign.job.model, assign.job.seed, allowed_modules)
+        zoo = zoo or build_model(assign.job.model, assign.job.seed, allowed_modules)
         self.module = zoo.stage(self.start, self.end)
-        weights, optim_state = store.ride_out(
-            lambda: load_stage(store, assign.job.job_id, assign.from_round, self.start, self.end),
-            f"loading the checkpoint of round {assign.from_round}",
-            store_patience_s,
-            self._idle,
-        )
+        t1 = time.perf_counter()
+        weights, optim_state = self._state(layers)
+        t2 = time.perf_counter()
         self.module.load_state_dict(weights)
         self.module.train()
         self._weights = weight_storages(self.module)  # not counted as held per micro-batch
         self.optimizer = make_optimizer(list(self.module.parameters()), assign.job.optimizer)
         restore_optimizer(self.module, self.optimizer, optim_state)
+        self.load_timings = {
+            "build_s": t1 - t0,
+            "read_s": t2 - t1,
+            "load_s": time.perf_counter() - t2,
+        }
+        """Seconds spent building the model, reading the state and loading it."""
         self.total_rounds = _job_rounds(assign)
         # only the first stage reads samples; later stages get them as activations
         self.data = open_data(assign.job, zoo) if self.first else None
         self.round = assign.from_round
+        """The version of the weights held: rounds committed before them."""
+        self.in_round = False
+        """True from a round's start to its optimizer step: the live state may then be
+        neither version (batch-norm statistics move with each forward)."""
         self.progress = 0
         """Tasks finished: forwards (held-out ones too), backwards, all-reduce steps and
         optimizer steps. Heartbeats carry it, so the coordinator tells a hung stage from a
@@ -183,6 +267,19 @@ class StageRunner:
         timeout, redis_outage_s): standing still then is not a hang of this device."""
         self.module.register_forward_hook(self._forwarded)
         pool.reset(assign.epoch, p, self.span, self._expected(), assign.from_round)
+
+    def _state(self, layers: Mapping[int, HeldLayer] | None) -> StageState:
+        """The stage's state at `assign.from_round`: from `layers`, else from Redis."""
+        version = self.assign.from_round
+        if layers is not None:
+            return layers_state(layers, self.start, self.end, f"the state of version {version}")
+        store, job = self.store, self.assign.job.job_id
+        return store.ride_out(
+            lambda: load_stage(store, job, version, self.start, self.end),
+            f"loading the checkpoint of round {version}",
+            self.store_patience_s,
+            self._idle,
+        )
 
     def _expected(self) -> Expected:
         """Who sends this device what under the plan: the pool refuses parts from anyone else.
@@ -211,9 +308,11 @@ class StageRunner:
 
     # --- one round ----------------------------------------------------------
 
-    def run_round(self, round_no: int) -> RoundResult:
+    def run_round(
+        self, round_no: int, keep: Iterable[int] = (), replicate: bool = False
+    ) -> RoundResult:
         """Forward and backward every micro-batch, all-reduce, one optimizer step."""
-        state = self.begin_round(round_no)
+        state = self.begin_round(round_no, keep, replicate)
         while state.done_b < self.m:
             w0 = time.perf_counter()
             decide = functools.partial(
@@ -226,8 +325,22 @@ class StageRunner:
             self.run_task(state, action)
         return self.end_round(state)
 
-    def begin_round(self, round_no: int) -> RoundState:
-        """Start round `round_no`: drop older parts, clear gradients and the memory peak."""
+    def begin_round(
+        self, round_no: int, keep: Iterable[int] = (), replicate: bool = False
+    ) -> RoundState:
+        """Start round `round_no`: drop older parts, clear gradients and the memory peak.
+
+        With holdings, the state now (version `round_no`) is kept first, older
+        versions not in `keep` are dropped, and with `replicate` a single-device
+        stage sends that state to its backup node.
+        """
+        if self.holdings is not None:
+            layers = self.layers()
+            self.holdings.snapshot(round_no, layers)
+            self.holdings.keep_only({round_no, *keep})
+            if replicate:
+                self._replicate(round_no, layers)
+        self.in_round = True
         self.pool.begin_round(round_no)
         self.optimizer.zero_grad(set_to_none=True)
         res = RoundResult(samples=(self.span[1] - self.span[0]) * self.m)
@@ -286,6 +399,7 @@ class StageRunner:
         res.timings = t
         res.peak_bytes, res.peak_saved_bytes = self.pool.peak_bytes, self.pool.peak_saved_bytes
         self.round = round_no + 1
+        self.in_round = False
         return res
 
     def _decide(
@@ -411,7 +525,32 @@ class StageRunner:
         """Evaluate the weights of round `round_no` on `batches` held-out global batches."""
         return evaluate(self, round_no, batches)
 
-    # --- checkpoints ----------------------------------------------------------
+    # --- state: replicas, migration, checkpoints ------------------------------
+
+    def layers(self) -> dict[int, HeldLayer]:
+        """A copy of the live stage state, layer by layer (serialised only when sent)."""
+        return stage_layers(self.module, self.optimizer, self.start)
+
+    def _replicate(self, version: int, layers: Mapping[int, HeldLayer]) -> None:
+        """Send the state of `version` to this stage's backup node, layer by layer.
+
+        Only a single-device stage has one (a group's peers are its replicas).
+        The bulk dispatcher has its own connection, so the round's activations
+        never queue behind a replica.
+        """
+        backup = self.plan.backup_of(self.p)
+        if backup is None or self.bulk is None:
+            return
+        for layer, held in sorted(layers.items()):
+            msg = LayerState(
+                epoch=self.epoch,
+                version=version,
+                layer=layer,
+                purpose="replica",
+                start=self.start,
+                end=self.end,
+            )
+            self.bulk.send(str(backup), msg, [blob_tensor(held.blob())])
 
     def save(self, round_no: int) -> tuple[list[int], str]:
         """Checkpoint `round_no`: the leader writes the layers; every replica digests its state.

@@ -25,8 +25,9 @@ from common.codec import Envelope, Limits, encode, recv_message
 from common.curve import CurveKeys
 from common.errors import ConfigError, ProtocolError
 from common.logging import get_logger
-from common.messages import Activation, Gradient, Message, ReduceChunk
+from common.messages import Activation, Gradient, LayerState, Message, ReduceChunk
 from common.sockets import bind_router, connect_dealer
+from services.worker.holdings import Holdings
 from services.worker.pool import TaskPool
 
 __all__ = ["Dispatcher", "Receiver"]
@@ -44,8 +45,10 @@ class Receiver(threading.Thread):
         limits: Limits,
         pool: TaskPool,
         keys: CurveKeys | None = None,
+        holdings: Holdings | None = None,
     ) -> None:
         super().__init__(name="receiver", daemon=True)
+        self.holdings = holdings
         # with keys: a CURVE server with this worker's own pair, admitting worker keys only
         self.sock, self.endpoint = bind_router(ctx, bind, limits, keys=keys, roles=("worker",))
         self.limits = limits
@@ -74,6 +77,9 @@ class Receiver(threading.Thread):
     def _deliver(self, peer: str, env: Envelope) -> None:
         msg = env.msg
         why: str | None
+        # a device's second connection ("NAME/bulk", for replicas) is the same device;
+        # with CURVE the codec has checked NAME against the sender's key
+        peer = peer.partition("/")[0]
         if isinstance(msg, Activation | Gradient):
             want = 2 if isinstance(msg, Activation) else 1
             if len(env.tensors) != want or env.tensors[0].shape[:1] != (msg.hi - msg.lo,):
@@ -84,6 +90,8 @@ class Receiver(threading.Thread):
                 why = self.pool.put_part(msg, env.tensors, peer)
         elif isinstance(msg, ReduceChunk) and len(env.tensors) == 1:
             why = self.pool.put_chunk(msg, env.tensors[0], peer)
+        elif isinstance(msg, LayerState) and self.holdings is not None and _one_blob(env):
+            why = self.holdings.put(msg, env.tensors[0].numpy().tobytes(), peer)
         else:
             why = f"unexpected {msg.type} with {len(env.tensors)} tensors on the data plane"
         if why:
@@ -96,13 +104,29 @@ class Receiver(threading.Thread):
             )
 
 
+def _one_blob(env: Envelope) -> bool:
+    """Whether a message carries exactly one 1-D uint8 tensor (a layer's blob)."""
+    return (
+        len(env.tensors) == 1 and env.tensors[0].dtype == torch.uint8 and env.tensors[0].dim() == 1
+    )
+
+
 class Dispatcher(threading.Thread):
     """Sends queued messages to peers asynchronously, one DEALER per peer."""
 
-    def __init__(self, ctx: zmq.Context[Any], device: str, keys: CurveKeys | None = None) -> None:
-        super().__init__(name="dispatcher", daemon=True)
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        device: str,
+        keys: CurveKeys | None = None,
+        session: str = "",
+    ) -> None:
+        super().__init__(name=f"dispatcher{'-' + session if session else ''}", daemon=True)
         self.ctx = ctx
         self.device = device
+        self.identity = f"{device}/{session}" if session else device
+        """Routing identity: a second dispatcher of one device ("NAME/bulk") gets its own
+        connection to each peer, so what it sends never queues ahead of the first's."""
         self.keys = keys
         self.peers: dict[str, str] = {}
         self.q: queue.Queue[tuple[str, list[Any]] | None] = queue.Queue()
@@ -151,7 +175,7 @@ class Dispatcher(threading.Thread):
             # with keys: a CURVE client of the peer's own pair (its public file in the set)
             server_key = self.keys.server_key("worker", dst) if self.keys else None
             sock = connect_dealer(
-                self.ctx, self.peers[dst], self.device, keys=self.keys, server_key=server_key
+                self.ctx, self.peers[dst], self.identity, keys=self.keys, server_key=server_key
             )
             self._socks[dst] = sock
         return sock

@@ -41,6 +41,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -86,6 +87,16 @@ class Run:
     recover_s: float | None = None
     replayed: int | None = None
     failed_round: int | None = None
+    replan_s: float | None = None
+    migrate_s: float | None = None
+    source: str = ""
+    """Where the stages resumed from: "replicas" (survivors and backup nodes) or "checkpoint"."""
+    moved_layers: int | None = None
+    moved_bytes: int | None = None
+    worker_s: float | None = None
+    """Seconds the slowest survivor took from its recovery Assign to its Assigned."""
+    worker_parts: str = ""
+    """That device and where its seconds went (its "stage assigned" log line)."""
     first_commit_s: float | None = None
     before: float | None = None
     after: float | None = None
@@ -195,6 +206,11 @@ def measure(store: Store, run: Run, skip: int) -> None:
     run.recover_s = float(rec["seconds"])
     run.replayed = int(rec["replayed"])
     run.failed_round = int(rec["failed_round"])
+    run.source = str(rec.get("source", ""))
+    run.replan_s = float(rec.get("replan_s", 0.0))
+    run.migrate_s = float(rec.get("migrate_s", 0.0))
+    run.moved_layers = int(rec.get("moved_layers", 0))
+    run.moved_bytes = int(rec.get("moved_bytes", 0))
     run.stages_after = _stages(rec["stages"])
     before = [float(m["samples_per_s"]) for t, m in metrics if t < run.t_kill]
     run.before = _median(before[1:] or before)  # the first round warms up
@@ -202,6 +218,48 @@ def measure(store: Store, run: Run, skip: int) -> None:
     if after:
         run.first_commit_s = after[0][0] - run.t_kill
         run.after = _median([x for _, x in after])
+
+
+WORKER_PARTS = ("send_s", "wait_s", "build_s", "read_s", "load_s")
+"""Where a worker's recovery time goes: sending layers, waiting for its own, building
+the model, reading the state, loading it into the model and optimizer."""
+
+
+def worker_side(logs: Path, run: Run) -> None:
+    """The slowest survivor's own seconds for its recovery assignment, from the worker logs.
+
+    Each worker logs "stage assigned" with its timings; the first such line of
+    the job after the kill is the recovery's (the victim's log has none then).
+    """
+    if run.t_kill is None:
+        return
+    slowest: tuple[float, str, dict[str, Any]] | None = None
+    for path in sorted(logs.glob("*.worker.log")):
+        line = _first_assignment(path, run.job_id, run.t_kill)
+        if line is not None and (slowest is None or line["total_s"] > slowest[0]):
+            slowest = (float(line["total_s"]), path.name.split(".")[0], line)
+    if slowest is None:
+        return
+    run.worker_s, dev, line = slowest
+    parts = " ".join(f"{k[:-2]} {float(line.get(k, 0.0)):.3f}" for k in WORKER_PARTS)
+    run.worker_parts = f"{dev}: {parts}"
+
+
+def _first_assignment(path: Path, job: str, after: float) -> dict[str, Any] | None:
+    """The first "stage assigned" line of `job` in a worker log written after `after`."""
+    for raw in path.read_text(errors="replace").splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(line, dict) or line.get("event") != "stage assigned":
+            continue
+        if line.get("job") != job or "total_s" not in line:
+            continue
+        stamp = datetime.datetime.fromisoformat(str(line.get("timestamp", ""))).timestamp()
+        if stamp >= after:
+            return line
+    return None
 
 
 def drop_device(
@@ -226,6 +284,7 @@ def drop_device(
         t0 = time.monotonic()
         run.state, run.note, run.t_kill = run_job(bed, store, job, dev, fail_after)
         measure(store, run, skip=2)
+        worker_side(bed.log_dir, run)
         runs.append(run)
         _say(run, time.monotonic() - t0)
         if mode != MODES[-1]:
@@ -246,7 +305,9 @@ def drop_device(
 def _say(run: Run, took: float) -> None:
     print(
         f"{run.device} {run.mode}: {run.state} detect {_fmt(run.detect_s, '.2f')} s, "
-        f"recover {_fmt(run.recover_s, '.3f')} s, replayed {_fmt(run.replayed, 'd')}, "
+        f"recover {_fmt(run.recover_s, '.3f')} s (re-plan {_fmt(run.replan_s, '.3f')}, "
+        f"migrate {_fmt(run.migrate_s, '.3f')}; slowest worker {_fmt(run.worker_s, '.3f')} "
+        f"{run.worker_parts}), replayed {_fmt(run.replayed, 'd')}, "
         f"samples/s before {_fmt(run.before)} after {_fmt(run.after)} {run.note} "
         f"[{took:.0f} s]",
         flush=True,
@@ -297,6 +358,35 @@ def summary(runs: list[Run]) -> list[str]:
     return lines
 
 
+def header_lines(title: str, command: str, load: Sequence[float], spec: TestbedSpec) -> list[str]:
+    """A testbed bench report's first lines: what was run, when, on what machine and testbed.
+
+    `load` holds the 1-minute load averages at the start and the end: above the
+    core count, other processes slow the devices beyond their quotas.
+    """
+    cores = len(os.sched_getaffinity(0))
+    machine = f"- machine: {platform.machine()}, {cores} cores, Python {platform.python_version()}"
+    if load:
+        machine += f"; 1-minute load average {load[0]:.1f} at the start, {load[-1]:.1f} at the end"
+        if max(load) > cores:
+            machine += (
+                " (above the core count: other processes slow the devices beyond their "
+                "quotas, and samples/s varies between runs)"
+            )
+    return [
+        f"# {title}",
+        "",
+        f"- command: `{command}`",
+        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
+        machine,
+        f"- testbed {spec.name}: "
+        + ", ".join(
+            f"{d.name} {d.cpu:g} cores {d.memory_bytes >> 20} MiB {d.bandwidth_bps / 1e6:g} Mbit/s"
+            for d in spec.devices
+        ),
+    ]
+
+
 def write_markdown(
     path: Path,
     runs: list[Run],
@@ -306,56 +396,48 @@ def write_markdown(
     load: list[float] | None = None,
 ) -> None:
     lines = [
-        "# Recovery when a device leaves (Asteroid §5.5)",
-        "",
-        f"- command: `{cmd}`",
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
-        f"- machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores, Python "
-        f"{platform.python_version()}"
-        + (
-            f"; 1-minute load average {load[0]:.1f} at the start, {load[-1]:.1f} at the end"
-            + (
-                " (above the core count: other processes slow the devices beyond their "
-                "quotas, and samples/s varies between runs)"
-                if max(load) > len(os.sched_getaffinity(0))
-                else ""
-            )
-            if load
-            else ""
-        ),
-        f"- testbed {spec.name}: "
-        + ", ".join(
-            f"{d.name} {d.cpu:g} cores {d.memory_bytes >> 20} MiB {d.bandwidth_bps / 1e6:g} Mbit/s"
-            for d in spec.devices
-        ),
+        *header_lines("Recovery when a device leaves (Asteroid §5.5)", cmd, load or [], spec),
         f"- model {model}, planner asteroid, checkpoint every {CHECKPOINT_EVERY} rounds; "
         "a device is killed (SIGKILL of all its processes) mid-round",
         "- detect: kill -> job `recovering`; recover: re-plan + migration (the recovered "
         "event's seconds); first commit: kill -> first round committed after the recovery; "
         "samples/s: median round before the kill (first round left out), after the "
         "recovery, and of a fresh job on the survivors",
-        "- heavy here re-plans with the planner service on the host from cached profiles and "
-        "every stage reloads its layers from the Redis checkpoint, as lightweight does; the "
-        "paper's heavy rescheduling also gathers the stage models at the coordinator and runs "
-        "the planner on the strongest surviving edge device, hence its larger gap",
+        "- worker s: the slowest survivor's own seconds from its recovery Assign to its "
+        "reply (part of migrate s), and where they went: sending layers, waiting for its "
+        "own, building the model, reading the state, loading it",
+        "- lightweight: partition points moved by capacity, only the layers that change hands "
+        "move, peer to peer, from the survivors and the lost stage's replica on its backup "
+        "node (moved layers / MiB below); heavy: the planner service (on the host, from cached "
+        "profiles) re-plans, every layer is gathered in Redis and every stage reloads from "
+        "there; the paper's heavy rescheduling also runs the planner on the strongest "
+        "surviving edge device",
         "",
-        "| device lost | recovery | state | detect s | recover s | replayed | first commit s "
+        "| device lost | recovery | state | detect s | recover s | re-plan s | migrate s "
+        "| worker s | replayed | from | moved layers | moved MiB | first commit s "
         "| samples/s before | samples/s after | fresh plan samples/s | after/fresh "
         "| stages after | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         fresh = next((f for f in runs if f.device == r.device and f.mode == "fresh"), None)
         ratio = r.after / fresh.after if r.after and fresh and fresh.after else None
         lines.append(
             f"| {r.device} | {r.mode} | {r.state} | {_fmt(r.detect_s, '.2f')} | "
-            f"{_fmt(r.recover_s, '.3f')} | {_fmt(r.replayed, 'd')} | "
+            f"{_fmt(r.recover_s, '.3f')} | {_fmt(r.replan_s, '.3f')} | "
+            f"{_fmt(r.migrate_s, '.3f')} | {_fmt(r.worker_s, '.3f')} | "
+            f"{_fmt(r.replayed, 'd')} | {r.source} | "
+            f"{_fmt(r.moved_layers, 'd')} | "
+            f"{_fmt(None if r.moved_bytes is None else r.moved_bytes / 2**20, '.2f')} | "
             f"{_fmt(r.first_commit_s, '.1f')} | {_fmt(r.before)} | {_fmt(r.after)} | "
             f"{_fmt(fresh.after if fresh else None)} | "
             f"{'' if ratio is None or r.mode == 'fresh' else f'{ratio:.0%}'} | "
             f"{r.stages_after} | {r.note.splitlines()[0] if r.note else ''} |"
         )
     lines += ["", "## Summary", "", *summary(runs)]
+    parts = [f"- {r.device} {r.mode}: {r.worker_parts}" for r in runs if r.worker_parts]
+    if parts:
+        lines += ["", "## Slowest survivor's recovery seconds, by part", "", *parts]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -367,8 +449,15 @@ def write_csv(path: Path, runs: list[Run]) -> None:
         "state",
         "detect_s",
         "recover_s",
+        "replan_s",
+        "migrate_s",
+        "worker_s",
+        "worker_parts",
         "replayed",
         "failed_round",
+        "source",
+        "moved_layers",
+        "moved_bytes",
         "first_commit_s",
         "samples_per_s_before",
         "samples_per_s_after",
@@ -387,8 +476,15 @@ def write_csv(path: Path, runs: list[Run]) -> None:
                     r.state,
                     r.detect_s,
                     r.recover_s,
+                    r.replan_s,
+                    r.migrate_s,
+                    r.worker_s,
+                    r.worker_parts,
                     r.replayed,
                     r.failed_round,
+                    r.source,
+                    r.moved_layers,
+                    r.moved_bytes,
                     r.first_commit_s,
                     r.before,
                     r.after,

@@ -48,6 +48,7 @@ from common.codec import Limits
 from common.curve import CurveKeys, create_key_set
 from common.memory import keep_freed_memory
 from common.messages import ReduceChunk
+from common.ports import free_port
 from services.worker.allreduce import ring_allreduce
 from services.worker.pool import TaskPool
 from services.worker.transport import Dispatcher, Receiver
@@ -478,12 +479,6 @@ def reply(conn: Connection, timeout_s: float = STEP_TIMEOUT_S) -> Any:
     return value
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOCALHOST, 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class StreamPair:
     """Control pipes of the sender and receiver children."""
@@ -592,7 +587,7 @@ def measure_allreduce(cfg: Config, world: int, keys_root: str) -> list[Row]:
     round0 = 1
     samples: dict[tuple[str, int], list[float]] = defaultdict(list)
     with Children(cfg.child_deadline_s) as kids:
-        port = _free_port()
+        port = free_port()
         conns = [kids.start(reduce_worker, rank, world, port, keys_root) for rank in range(world)]
         endpoints = [reply(conn) for conn in conns]
         peers = {

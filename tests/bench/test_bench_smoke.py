@@ -59,3 +59,34 @@ def test_quick_transport_benchmark_compares_curve_with_plain_side_by_side(quick_
         assert r["baseline_value"] == twin["ours"]
     assert (out / "curve.png").stat().st_size > 0
     assert "CURVE cost" in (out / "transport.md").read_text()
+
+
+def test_elastic_benchmark_replots_its_table_csv_and_plot_from_its_json(tmp_path: Path) -> None:
+    """--replot on made-up runs (no testbed): the verdict compares each run to its fresh plan."""
+    import json
+    from dataclasses import asdict
+    from typing import Any
+
+    from tests.bench.bench_elastic import Run, main
+
+    def run(label: str, after: float, **kw: Any) -> dict[str, Any]:
+        rounds = [(n, after) for n in range(1, 13)]
+        made = Run(label, f"elastic-{label}", "finished", after=after, by_round=rounds, **kw)
+        return asdict(made)
+
+    changed = {"cut_round": 10, "replan_round": 11, "replans": 1, "replayed": 0, "device": "n-3"}
+    runs = [
+        run("join", 90.0, before=60.0, **changed),
+        run("fresh4", 100.0),
+        run("drain", 56.0, before=100.0, **changed),
+        run("fresh3", 70.0),
+    ]
+    saved = {"model": "small_cnn", "command": "made up", "load": [1.0, 1.0], "runs": runs}
+    (tmp_path / "elastic.json").write_text(json.dumps(saved))
+    assert main(["--out", str(tmp_path), "--replot"]) == 0
+    md = (tmp_path / "elastic.md").read_text()
+    assert "throughput after it 90% of fresh4's" in md
+    assert "throughput after it 80% of fresh3's" in md
+    with (tmp_path / "elastic.csv").open() as f:
+        assert [r["label"] for r in csv.DictReader(f)] == ["join", "fresh4", "drain", "fresh3"]
+    assert (tmp_path / "elastic.png").stat().st_size > 0

@@ -1,4 +1,7 @@
+import hashlib
+
 import pytest
+import redis
 import torch
 from torch import nn
 
@@ -6,15 +9,19 @@ from common import store as store_mod
 from common.checkpoint import (
     check_replicas,
     checkpoint_digests,
+    checkpoint_hashes,
     commit_checkpoint,
     latest_round,
     load_full_state,
     load_stage,
+    remove_orphans,
     restore_optimizer,
     save_stage,
+    stage_blobs,
     stage_digest,
+    stage_from_blobs,
 )
-from common.errors import CheckpointError, StoreError
+from common.errors import CheckpointError, ConfigError, StoreError
 
 
 def test_blob_roundtrip_in_chunks(store, monkeypatch):
@@ -34,6 +41,18 @@ def test_streams_and_fields(store):
     assert [e["loss"] for e in store.read("metrics", "j")] == [2.5, 2.0]
     store.set_fields({"state": "running", "round": 3}, "job", "j")
     assert store.get_fields("job", "j") == {"state": "running", "round": 3}
+
+
+def test_a_job_update_goes_to_redis_as_one_transaction(store):
+    """The hash's round and the round's metrics land together or not at all."""
+    with store.r.monitor() as monitor:
+        store.update_job("j", {"round": 3}, {"metrics": ({"round": 2, "loss": 1.5}, 100)})
+        seen = []
+        while not seen or seen[-1] != "exec":
+            seen.append(str(monitor.next_command()["command"]).split()[0].lower())
+    assert seen[seen.index("multi") :] == ["multi", "hset", "xadd", "exec"], seen
+    assert store.get_fields("job", "j") == {"round": 3}
+    assert store.read("metrics", "j") == [{"round": 2, "loss": 1.5}]
 
 
 def _model():
@@ -176,3 +195,121 @@ def test_diverged_replicas_are_named_and_agreeing_ones_recorded(store):
     save_stage(store, "j", 4, model, None, 0)
     commit_checkpoint(store, "j", 4, len(model), digests)
     assert checkpoint_digests(store, "j", 4) == digests
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_stage_moved_as_blobs_continues_exactly_like_the_original(kind):
+    # a stage of layers 3..7 travels as per-layer blobs (a replica, a migration)
+    model, opt = _trained(kind)
+    blobs = stage_blobs(model, opt, 3)
+    assert sorted(blobs) == [3, 4, 5, 6, 7]
+    weights, optim = stage_from_blobs(blobs, 3, 8)
+    moved = _model()
+    moved.load_state_dict(weights)
+    moved_opt = type(opt)(moved.parameters(), **opt.defaults)
+    restore_optimizer(moved, moved_opt, optim)
+    assert stage_digest(moved, moved_opt) == stage_digest(model, opt)
+    _steps(model, opt, 2, 1)
+    _steps(moved, moved_opt, 2, 1)
+    for a, b in zip(model.state_dict().values(), moved.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_missing_or_corrupt_layer_blob_is_named():
+    model, opt = _trained()
+    blobs = stage_blobs(model, opt, 0)
+    del blobs[3]
+    with pytest.raises(CheckpointError, match="the state received has no layer 3"):
+        stage_from_blobs(blobs, 0, 5)
+    blobs[3] = b"not safetensors at all"
+    with pytest.raises(CheckpointError, match="layer 3 is not valid safetensors"):
+        stage_from_blobs(blobs, 0, 5, "the state received")
+
+
+def test_a_blob_manifest_records_the_sha256_and_a_changed_chunk_is_refused(store, monkeypatch):
+    monkeypatch.setattr(store_mod, "CHUNK_BYTES", 100)
+    data = bytes(range(250))  # 3 chunks
+    store.put_blob(data, "blob", "h")
+    assert store.blob_manifest("blob", "h") == {
+        "chunks": 3,
+        "bytes": 250,
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    store.r.set(store.key("blob", "h", "chunk", 1), bytes(100))  # same length, other bytes
+    with pytest.raises(StoreError, match="manifest says " + hashlib.sha256(data).hexdigest()):
+        store.get_blob("blob", "h")
+
+
+def test_a_layer_rewritten_after_the_commit_is_named_by_the_checkpoint_hash(store):
+    model, opt = _trained()
+    save_stage(store, "j", 3, model, opt, 0)
+    commit_checkpoint(store, "j", 3, 5)
+    other = stage_blobs(_model(), None, 0)[2]  # a self-consistent blob, but not the committed one
+    store.put_blob(other, "ckpt", "j", 3, "layer", 2)
+    with pytest.raises(CheckpointError, match=r"layer 2 hashes to sha256 .* recorded"):
+        load_full_state(store, "j", 3)
+    assert (
+        checkpoint_hashes(store, "j", 3)[4]
+        == hashlib.sha256(stage_blobs(model, opt, 0)[4]).hexdigest()
+    )
+
+
+def test_a_commit_removes_abandoned_uploads_and_keeps_older_checkpoints(store, monkeypatch):
+    monkeypatch.setattr(store_mod, "CHUNK_BYTES", 64)
+    model, opt = _trained()
+    blobs = stage_blobs(model, opt, 0)
+    save_stage(store, "j", 1, model, opt, 0)
+    commit_checkpoint(store, "j", 1, 5)
+    store.put_blob(blobs[0], "ckpt", "j", 2, "layer", 0)  # round 2's upload was abandoned
+    store.put_blob(b"x" * 200, "ckpt", "j", 1, "layer", 9)  # then rewritten smaller:
+    store.put_blob(b"y", "ckpt", "j", 1, "layer", 9)  # chunks 1..3 of layer 9 are stale
+    store.r.set(store.key("ckpt", "j", 1, "layer", 7, "chunk", 0), b"no manifest")
+    save_stage(store, "j", 3, model, opt, 0)
+    commit_checkpoint(store, "j", 3, 5)
+    left = {k.decode().removeprefix(store.key("ckpt", "j", "")) for k in store.keys("ckpt", "j")}
+    chunks = sum(-(-len(b) // 64) for b in blobs.values())
+    assert not any(k.startswith("2:") for k in left)
+    assert {k for k in left if k.startswith("1:layer:9:") or k.startswith("1:layer:7:")} == {
+        "1:layer:9:chunk:0",
+        "1:layer:9:manifest",
+    }
+    assert len([k for k in left if k.startswith("1:")]) == 1 + 5 + chunks + 2
+    assert store.get_blob("ckpt", "j", 1, "layer", 9) == b"y"
+    assert latest_round(store, "j") == 3
+    load_full_state(store, "j", 1)
+
+
+def test_orphan_removal_refuses_a_job_id_that_is_not_one(store):
+    with pytest.raises(ConfigError, match="job_id from the checkpoint's job"):
+        remove_orphans(store, "j*")
+
+
+class _FakeRedis:
+    """Answers WAITAOF as a Redis 7.2 would, or refuses it as an older one does."""
+
+    def __init__(self, *replies: object) -> None:
+        self.replies = list(replies)
+        self.calls: list[tuple[object, ...]] = []
+
+    def execute_command(self, *args: object) -> object:
+        self.calls.append(args)
+        reply = self.replies.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+
+def test_wait_durable_reads_the_local_fsync_count_of_waitaof(store, monkeypatch):
+    fake = _FakeRedis([1, 0], [0, 0])
+    monkeypatch.setattr(store, "r", fake)
+    assert store.wait_durable(0.25) is True
+    assert store.wait_durable(0) is False  # timed out before the fsync
+    assert fake.calls == [("WAITAOF", 1, 0, 250), ("WAITAOF", 1, 0, 1)]
+
+
+def test_wait_durable_asks_an_old_server_only_once(store, monkeypatch):
+    fake = _FakeRedis(redis.ResponseError("unknown command 'WAITAOF'"))
+    monkeypatch.setattr(store, "r", fake)
+    assert store.wait_durable() is False
+    assert store.wait_durable() is False
+    assert len(fake.calls) == 1

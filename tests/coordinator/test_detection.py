@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 from common.codec import Limits, encode
 from common.ids import DeviceId
 from common.messages import Heartbeat, RoundDone
+from common.ports import free_port
 from common.settings import CoordinatorSettings
 from common.sockets import connect_dealer
 from services.coordinator.jobs import DeviceLost, JobFailed
@@ -30,7 +31,6 @@ from services.coordinator.membership import (
 )
 from services.coordinator.service import Coordinator
 from services.worker.control import ControlLink
-from tests.cluster import free_port
 
 DEADLINE_S = 1.5
 """Heartbeat interval 0.5 s times 3 misses."""

@@ -2,11 +2,11 @@ import pytest
 
 from common.checkpoint import commit_checkpoint, save_stage
 from common.exit_codes import ExitCode
+from common.ports import free_port
 from common.settings import CoordinatorSettings
 from common.store import Store
 from common.zoo import ModelSpec, build_model
 from services.coordinator.main import run
-from tests.cluster import free_port
 
 
 @pytest.fixture

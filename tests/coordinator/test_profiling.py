@@ -52,6 +52,15 @@ def test_a_cluster_file_gives_links_slowdowns_and_missing_budgets():
     assert cluster.bw("a", "b") == 1e6 and cluster.bandwidth == 3e6
 
 
+def test_measured_slowdowns_multiply_what_the_cluster_file_says():
+    base = ClusterSpec(devices=[DeviceSpec(name="b", memory_bytes=1 << 30, slowdown=2.0)])
+    members = _members(a=2 << 30, b=0)
+    keys = {DeviceId("a"): "k", DeviceId("b"): "k"}
+    measured = {DeviceId("b"): 3.0}
+    cluster = cluster_for(members, keys, {"k": 9 << 30}, base, 1e9, None, measured)
+    assert (cluster.device("a").slowdown, cluster.device("b").slowdown) == (1.0, 6.0)
+
+
 def test_a_worker_without_any_memory_figure_is_named():
     with pytest.raises(ConfigError, match="worker b reported no memory budget"):
         cluster_for(_members(a=1, b=0), {DeviceId("a"): "k", DeviceId("b"): "k"}, {"k": 0}, None, 1)

@@ -191,11 +191,50 @@ def test_a_split_that_fits_is_chosen_over_a_faster_one_that_does_not():
     # 8 samples a micro-batch. Two stages remain, so stage 0 keeps K_p = 3 forwards in
     # flight (not the old three-stage plan's 4): one layer needs 2 x 10 + 1 x 8 x 3 = 44
     # bytes there, two layers 88; stage 1 (K_p = 1) with three layers needs 60 + 24 = 84.
-    memory = MemoryInputs(bytes_per_layer(10, 1), {DeviceId("a"): 44, DeviceId("c"): 84})
+    # a and c, one device each, back each other up: 10 bytes of weights a layer more,
+    # so a needs 44 + 30 = 74 and c 84 + 10 = 94 (the faster split: 88 + 20 and 56 + 20).
+    memory = MemoryInputs(bytes_per_layer(10, 1), {DeviceId("a"): 74, DeviceId("c"): 94})
     new = survivors_plan(plan, {DeviceId("b")}, memory=memory)
     assert [(st.start, st.end) for st in new.stages] == [(0, 1), (1, 4)]
-    assert new.predicted_peak_bytes == {"a": 44, "c": 84}
+    assert new.predicted_peak_bytes == {"a": 74, "c": 94}
     new.validate_for(4)
+
+
+def test_a_split_whose_backup_does_not_fit_is_not_chosen():
+    plan = plan_of((0, 1, ["a"]), (1, 2, ["b"]), (2, 4, ["c"]))
+    # as above: (0, 2) | (2, 4) needs a 88 and c 56 for the stages alone, which 100 and 94
+    # hold; each backs up the other's 20 bytes of weights, and a's 108 does not fit.
+    # (0, 1) | (1, 4) needs a 44 + 30 = 74 and c 84 + 10 = 94, which fits.
+    memory = MemoryInputs(bytes_per_layer(10, 1), {DeviceId("a"): 100, DeviceId("c"): 94})
+    new = survivors_plan(plan, {DeviceId("b")}, memory=memory)
+    assert [(st.start, st.end) for st in new.stages] == [(0, 1), (1, 4)]
+    assert new.predicted_peak_bytes == {"a": 74, "c": 94}
+    # one byte less for c and no split fits: (0, 3) | (3, 4) would need a 132 + 10
+    memory = MemoryInputs(bytes_per_layer(10, 1), {DeviceId("a"): 100, DeviceId("c"): 93})
+    with pytest.raises(RecoveryImpossible) as info:
+        survivors_plan(plan, {DeviceId("b")}, memory=memory)
+    assert str(info.value).startswith(
+        "survivors cannot hold layers [1, 4): device c has 93 bytes, needs 94 "
+        "with the replica of layers [0, 1) (the split closest"
+    )
+
+
+def test_a_group_of_several_devices_holds_no_replica_of_its_own():
+    # b's loss leaves {c, d} after a: a backs up to c, but nobody backs up {c, d}
+    plan = plan_of((0, 1, ["a"]), (1, 2, ["b"]), (2, 4, ["c", "d"]))
+    # a (K_p = 3) on two layers: 2 x 20 + 2 x 8 x 3 = 88; c and d (4 samples, K_p = 1)
+    # on two layers 40 + 8 = 48, and c holds a's 20 bytes of weights: 68
+    memory = MemoryInputs(
+        bytes_per_layer(10, 1), {DeviceId("a"): 88, DeviceId("c"): 68, DeviceId("d"): 48}
+    )
+    new = survivors_plan(plan, {DeviceId("b")}, memory=memory)
+    assert [(st.start, st.end) for st in new.stages] == [(0, 2), (2, 4)]
+    assert new.predicted_peak_bytes == {"a": 88, "c": 68, "d": 48}
+    memory = MemoryInputs(
+        bytes_per_layer(10, 1), {DeviceId("a"): 88, DeviceId("c"): 67, DeviceId("d"): 48}
+    )
+    with pytest.raises(RecoveryImpossible, match="device c has 67 bytes, needs 68 with the"):
+        survivors_plan(plan, {DeviceId("b")}, memory=memory)
 
 
 def test_each_device_of_a_group_is_checked_with_its_share_of_the_samples():
@@ -223,22 +262,26 @@ def test_each_device_of_a_group_is_checked_with_its_share_of_the_samples():
 
 def test_when_nothing_fits_the_message_names_the_layers_and_the_bytes():
     plan = plan_of((0, 1, ["a"]), (1, 2, ["b"]), (2, 4, ["c"]))
-    # 4 layers of 20 bytes each (weights and gradients) on 30 + 30 bytes: closest is 2 + 2
+    # 4 layers of 20 bytes each (weights and gradients) on 30 + 30 bytes, each device
+    # also holding the other's replica (10 bytes a layer): closest is 2 + 2, 60 each
     memory = MemoryInputs(bytes_per_layer(10), {DeviceId("a"): 30, DeviceId("c"): 30})
     with pytest.raises(RecoveryImpossible) as info:
         survivors_plan(plan, {DeviceId("b")}, memory=memory)
     message = str(info.value)
     assert message.startswith(
-        "survivors cannot hold layers [0, 2): device a has 30 bytes, needs 40; "
-        "layers [2, 4): device c has 30 bytes, needs 40"
+        "survivors cannot hold layers [0, 2): device a has 30 bytes, needs 60 with the "
+        "replica of layers [2, 4); layers [2, 4): device c has 30 bytes, needs 60 with the "
+        "replica of layers [0, 2)"
     )
     # only what does not fit is named: a holds three layers, c cannot hold even one
+    # (its layer 20 bytes, a's three-layer replica 30)
     memory = MemoryInputs(bytes_per_layer(10), {DeviceId("a"): 100, DeviceId("c"): 15})
     with pytest.raises(RecoveryImpossible) as info:
         survivors_plan(plan, {DeviceId("b")}, memory=memory)
     message = str(info.value)
     assert message.startswith(
-        "survivors cannot hold layers [3, 4): device c has 15 bytes, needs 20"
+        "survivors cannot hold layers [3, 4): device c has 15 bytes, needs 50 with the "
+        "replica of layers [0, 3)"
     )
     assert "device a" not in message
 
@@ -248,7 +291,8 @@ def test_a_budget_of_zero_or_none_is_unlimited():
     huge = MemoryInputs(bytes_per_layer(1 << 40), {DeviceId("a"): 0})
     new = survivors_plan(plan, {DeviceId("b")}, memory=huge)
     assert new.stages == survivors_plan(plan, {DeviceId("b")}).stages
-    assert new.predicted_peak_bytes == {"a": 4 << 40, "c": 4 << 40}
+    # two layers of weights and gradients each, plus the other's two-layer replica
+    assert new.predicted_peak_bytes == {"a": 6 << 40, "c": 6 << 40}
 
 
 def test_memory_counts_must_describe_the_model():
@@ -283,3 +327,64 @@ def test_memory_inputs_come_from_any_profile_of_the_model():
     # 2 x (5 + 6) weights and gradients + 2 x 7 optimizer + 2 x 3 x 4 samples x 2 in flight
     assert memory.layers.stage(0, 2, 4, 2) == 22 + 14 + 48
     assert memory.layers.stage(1, 2, 4, 2) == stage_bytes(6, 7, 3, 4, 2) == 12 + 7 + 24
+
+
+def brute_force_with_backups(
+    layers: LayerMemory, groups: list[list[str]], budgets: dict[str, int], costs: list[float]
+) -> float | None:
+    """The least slowest-group time over splits where every device and its replica fit.
+
+    Written out plainly: 8-sample micro-batches split evenly, K_p = 2(S-p)-1 capped at
+    4, and a single-device group's weights and optimizer state on the next group's
+    first device (the last group's on the first group's), for every split in turn.
+    """
+    n, s = len(costs), len(groups)
+    best = None
+    for cuts in itertools.combinations(range(1, n), s - 1):
+        bounds = [0, *cuts, n]
+        spans = list(itertools.pairwise(bounds))
+        need = {}
+        for g, (lo, hi) in enumerate(spans):
+            k = min(2 * (s - g) - 1, 4)
+            for d in groups[g]:
+                need[d] = layers.stage(lo, hi, 8 // len(groups[g]), k)
+        for g, (lo, hi) in enumerate(spans):
+            if s > 1 and len(groups[g]) == 1:
+                holder = groups[(g + 1) % s][0]
+                p = layers.params[hi] - layers.params[lo]
+                o = layers.optimizer[hi] - layers.optimizer[lo]
+                need[holder] += p + o
+        if any(need[d] > budgets[d] for d in need):
+            continue
+        worst = max(sum(costs[lo:hi]) / len(groups[g]) for g, (lo, hi) in enumerate(spans))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+def test_survivors_plan_matches_brute_force_with_backups_on_random_instances():
+    rng = random.Random(11)
+    for _ in range(300):
+        n = rng.randint(1, 7)
+        s = rng.randint(1, min(n, 4))
+        groups = [[f"g{g}a", f"g{g}b"] if rng.random() < 0.3 else [f"g{g}a"] for g in range(s)]
+        layers = LayerMemory.of(
+            [rng.randint(0, 9) for _ in range(n)],
+            [rng.randint(0, 9) for _ in range(n)],
+            [rng.randint(0, 3) for _ in range(n)],
+        )
+        budgets = {d: rng.randint(20, 120) for g in groups for d in g}
+        costs = [float(rng.randint(1, 5)) for _ in range(n)]
+        plan = plan_of(*[(g, g + 1, devs) for g, devs in enumerate(groups)])
+        plan = plan.model_copy(
+            update={"stages": [*plan.stages[:-1], plan.stages[-1].model_copy(update={"end": n})]}
+        )
+        memory = MemoryInputs(layers, {DeviceId(d): b for d, b in budgets.items()})
+        want = brute_force_with_backups(layers, groups, budgets, costs)
+        if want is None:
+            with pytest.raises(RecoveryImpossible):
+                survivors_plan(plan, set(), costs, memory=memory)
+            continue
+        new = survivors_plan(plan, set(), costs, memory=memory)
+        ranges = [(st.start, st.end) for st in new.stages]
+        assert slowest(costs, [len(g) for g in groups], ranges) == pytest.approx(want)
+        assert all(new.predicted_peak_bytes[d] <= budgets[d] for d in budgets)

@@ -11,10 +11,10 @@ from structlog.testing import capture_logs
 
 from common.codec import encode
 from common.messages import Heartbeat
+from common.ports import free_port
 from common.settings import CoordinatorSettings
 from common.sockets import connect_dealer
 from services.coordinator.service import Coordinator
-from tests.cluster import free_port
 
 
 @pytest.fixture

@@ -21,9 +21,7 @@ from tests.reference import (
 
 pytestmark = pytest.mark.integration
 
-# Warm-up of one round: with two, round 2 of this seed sits on a ReLU/max-pool
-# near-tie where float32 and float64 single-process training already differ by
-# 1e-5, so any summation order (the 5:3 split here) may land on either side.
+# Warm-up of one round, then the schedule proper for the other rounds.
 SCHEDULES = {
     "cosine": {**SGD, "schedule": {"kind": "cosine", "warmup_rounds": 1, "min_lr": 0.005}},
     "step": {

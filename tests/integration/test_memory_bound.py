@@ -35,17 +35,18 @@ STAGES = [
     {"start": 5, "end": 7, "devices": [{"device": "d"}]},
 ]
 S = len(STAGES)
-# small_cnn, per sample: layer 0 conv 3->32 at 32x32, ReLU; layer 1 conv 32->32, ReLU,
-# pool to 16x16; layer 2 conv 32->64, ReLU; layer 3 conv 64->64, ReLU, pool to 8x8;
-# layer 4 conv 64->128, ReLU, pool to 4x4; layer 5 linear 2048->256, ReLU; layer 6 -> 10.
-# A conv or linear layer keeps its input, ReLU its output (which pooling reads), and a
-# stage's output is kept for its backward; the last stage also keeps log-probabilities,
-# int64 labels, cross-entropy's scalar total weight and the scalar loss.
+# small_cnn, per sample: layer 0 conv 3->32 at 32x32, SiLU; layer 1 conv 32->32, SiLU,
+# pool to 16x16; layer 2 conv 32->64, SiLU; layer 3 conv 64->64, SiLU, pool to 8x8;
+# layer 4 conv 64->128, SiLU, pool to 4x4; layer 5 linear 2048->256, SiLU; layer 6 -> 10.
+# A conv or linear layer keeps its input, SiLU its input too (the conv's output), pooling
+# its input (SiLU's output), and a stage's output is kept for its backward; the last
+# stage also keeps log-probabilities, int64 labels, cross-entropy's scalar total weight
+# and the scalar loss.
 KEPT = [
-    N * F32 * (3 * 32 * 32 + 32 * 32 * 32),
-    N * F32 * (32 * 32 * 32 + 32 * 32 * 32 + 32 * 16 * 16 + 64 * 16 * 16),
-    N * F32 * (64 * 16 * 16 + 64 * 16 * 16 + 64 * 8 * 8 + 128 * 8 * 8 + 128 * 4 * 4),
-    N * F32 * (128 * 4 * 4 + 256 + 10) + N * I64 + 2 * F32,
+    N * F32 * (3 * 32 * 32 + 2 * 32 * 32 * 32),
+    N * F32 * (3 * 32 * 32 * 32 + 32 * 16 * 16 + 2 * 64 * 16 * 16),
+    N * F32 * (3 * 64 * 16 * 16 + 64 * 8 * 8 + 2 * 128 * 8 * 8 + 128 * 4 * 4),
+    N * F32 * (128 * 4 * 4 + 2 * 256 + 10) + N * I64 + 2 * F32,
 ]
 OUTPUT = [32 * 32 * 32, 64 * 16 * 16, 128 * 4 * 4]  # floats per sample leaving stages 0-2
 GRADIENT = [N * F32 * n for n in OUTPUT] + [0]  # a gradient arriving at each stage

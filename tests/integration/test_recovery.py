@@ -5,10 +5,13 @@ single-device middle stage and a two-device last stage, on real worker
 processes. One worker dies by SIGKILL at a chosen point (the workers'
 `--fail-at` hook) or at a seeded random moment; the coordinator detects it,
 re-plans on the survivors (lightweight: partition points moved by capacity),
-resumes every stage from the newest committed checkpoint and replays the rounds
-since. The job must finish on the survivors, none of them restarted, with
-final weights and per-round losses equal to single-process training, and a
-sample ledger in which every sample of each epoch was trained exactly once.
+resumes every stage from one version: the newest that survivors and the lost
+stage's replica (on its backup node) or group peers hold, moving only the
+layers that change hands peer to peer; or, when primary and backup are both
+gone, from the newest Redis checkpoint. The rounds since are replayed. The job
+must finish on the survivors, none of them restarted, with final weights and
+per-round losses equal to single-process training, and a sample ledger in
+which every sample of each epoch was trained exactly once.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ SGD = {"kind": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4}
 """A step small enough that ten rounds of float re-association stay far below 1e-6."""
 
 
-def _job(jid: str, **extra: Any) -> dict[str, Any]:
+def job_spec(jid: str, **extra: Any) -> dict[str, Any]:
+    """The recovery tests' job (checkpoints every 2 rounds), with `extra` fields."""
     return {
         "job_id": jid,
         "model": MODEL,
@@ -107,17 +111,18 @@ def _check_run(
 
 
 @pytest.mark.parametrize(
-    ("victim", "fail_at", "from_round", "replayed"),
+    ("victim", "fail_at", "every", "from_round", "replayed"),
     [
-        # round 3 in flight: back to the checkpoint of round 2, round 2 is replayed
-        pytest.param("b", "3:forward", 2, 1, id="middle-stage-during-forward"),
-        # round 4 in flight right after checkpoint 4: nothing committed is replayed
-        pytest.param("d", "4:allreduce", 4, 0, id="group-member-during-allreduce"),
-        # round 5 committed, then c is lost while checkpoint 6 is taken: rounds 4, 5 again
-        pytest.param("c", "5:done", 4, 2, id="after-its-round-was-committed"),
+        # replicas every 2 rounds, round 3 in flight: b's stage comes back from its replica
+        # of version 2 on c (no checkpoint is taken at all); round 2 is replayed
+        pytest.param("b", "3:forward", 2, 2, 1, id="middle-stage-during-forward"),
+        # round 4 in flight: d's peer c holds version 4, nothing is replayed
+        pytest.param("d", "4:allreduce", 1, 4, 0, id="group-member-during-allreduce"),
+        # round 5 committed, then c is lost while checkpoint 6 is taken: d holds version 6
+        pytest.param("c", "5:done", 1, 6, 0, id="after-its-round-was-committed"),
     ],
 )
-def test_a_lost_device_is_recovered_exactly(
+def test_a_lost_device_is_recovered_exactly_from_its_peers(
     tmp_path: Path,
     redis_url,
     cluster_name,
@@ -126,19 +131,36 @@ def test_a_lost_device_is_recovered_exactly(
     reference,
     victim,
     fail_at,
+    every,
     from_round,
     replayed,
 ):
     cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
+    checkpoints = {"checkpoint_every": 0} if victim == "b" else {}
     try:
         _start(cluster, {victim: fail_at})
-        cluster.start_coordinator(_job("ft"), PLAN)
+        cluster.start_coordinator(job_spec("ft", replicate_every=every, **checkpoints), PLAN)
         events = _check_run(cluster, store, "ft", [victim], reference)
     finally:
         cluster.close()
     (event,) = events
-    # every stage resumed from the newest checkpoint (every 2 rounds) before the failure
     assert (event["from_round"], event["replayed"]) == (from_round, replayed), event
+    assert event["source"] == "replicas", event
+    # only layers that changed hands moved, each once, peer to peer
+    old = {
+        layer: [a["device"] for a in st["devices"]]
+        for st in PLAN["stages"]
+        for layer in range(st["start"], st["end"])
+    }
+    new = {layer: devs for lo, hi, devs in event["stages"] for layer in range(lo, hi)}
+    changed = sum(d not in old[layer] for layer, devs in new.items() for d in devs)
+    assert event["moved_layers"] == changed - _replica_takeovers(victim, old, new), event
+
+
+def _replica_takeovers(victim: str, old: dict[int, list[str]], new: dict[int, list[str]]) -> int:
+    """Layers of the lost single-device stage that its backup node (c) now runs itself."""
+    lost = [layer for layer, devs in old.items() if devs == [victim]]
+    return sum("c" in new[layer] for layer in lost)
 
 
 def test_a_device_killed_at_a_random_moment_is_recovered_exactly(
@@ -149,7 +171,7 @@ def test_a_device_killed_at_a_random_moment_is_recovered_exactly(
     cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
     try:
         _start(cluster, {})
-        cluster.start_coordinator(_job("ft-random"), PLAN)
+        cluster.start_coordinator(job_spec("ft-random"), PLAN)
         deadline = time.monotonic() + budget.left(120)
         while store.get_fields("job", "ft-random").get("round", 0) < 2:
             assert time.monotonic() < deadline, cluster.log_tail("coordinator")
@@ -169,7 +191,7 @@ def test_two_devices_lost_in_one_round_are_recovered_exactly(
     cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
     try:
         _start(cluster, {"b": "3:step", "d": "3:step"})
-        cluster.start_coordinator(_job("ft-two"), PLAN)
+        cluster.start_coordinator(job_spec("ft-two", replicate_every=2), PLAN)
         events = _check_run(cluster, store, "ft-two", ["b", "d"], reference)
     finally:
         cluster.close()
@@ -182,7 +204,7 @@ def test_without_a_checkpoint_to_resume_from_the_job_fails_naming_it(
     cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
     try:
         _start(cluster, {"b": "2:forward"})
-        cluster.start_coordinator(_job("ft-lost", checkpoint_every=0), PLAN)
+        cluster.start_coordinator(job_spec("ft-lost", checkpoint_every=0, replicate_every=0), PLAN)
         deadline = time.monotonic() + budget.left(120)
         while store.get_fields("job", "ft-lost").get("round", 0) < 1:
             assert time.monotonic() < deadline, cluster.log_tail("coordinator")
@@ -194,7 +216,35 @@ def test_without_a_checkpoint_to_resume_from_the_job_fails_naming_it(
     state = store.get_fields("job", "ft-lost")
     assert state["state"] == "failed"
     assert "['b']" in state["error"], state
-    assert "no checkpoint of job ft-lost to resume the survivors from" in state["error"], state
+    assert "no replica or checkpoint of job ft-lost to resume the survivors" in state["error"]
+
+
+def test_primary_and_backup_lost_together_come_back_from_the_checkpoint(
+    tmp_path: Path, redis_url, cluster_name, budget, store, reference
+):
+    # b runs the middle stage alone and c holds its replica: both gone, only Redis is left
+    cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
+    try:
+        _start(cluster, {})
+        cluster.start_coordinator(job_spec("ft-both"), PLAN)
+        deadline = time.monotonic() + budget.left(120)
+        while store.get_fields("job", "ft-both").get("round", 0) < 3:
+            assert time.monotonic() < deadline, cluster.log_tail("coordinator")
+            time.sleep(0.02)
+        cluster.procs["b"].kill()
+        cluster.procs["c"].kill()
+        events = _check_run(cluster, store, "ft-both", ["b", "c"], reference)
+    finally:
+        cluster.close()
+    assert all(e["source"] == "checkpoint" for e in events), events
+    first = events[0]
+    assert first["from_round"] % 2 == 0 and first["from_round"] >= 2, first  # a checkpoint
+    # committed rounds at the loss: the failed round's own number, or one more when the
+    # loss came after it was committed (during its checkpoint)
+    committed = first["failed_round"] + (
+        first["replayed"] > first["failed_round"] - first["from_round"]
+    )
+    assert first["replayed"] == committed - first["from_round"] > 0, first
 
 
 def test_heavy_recovery_plans_again_from_profiles_and_stays_exact(
@@ -206,19 +256,10 @@ def test_heavy_recovery_plans_again_from_profiles_and_stays_exact(
         _start(cluster, {})
         cluster.spawn("profiler", ["-m", "services.profiler.main", "--serve"])
         cluster.spawn("planner", ["-m", "services.planner.service"])
-        job = _job("ft-heavy", recovery="heavy", global_batch=BATCH, micro_batch=8, min_workers=4)
-        cluster.spawn(
-            "coordinator",
-            [
-                "-m",
-                "services.coordinator.main",
-                "--bind",
-                cluster.addr,
-                "--shutdown-workers",
-                "--job",
-                str(cluster.write("job.yaml", job)),
-            ],
+        job = job_spec(
+            "ft-heavy", recovery="heavy", global_batch=BATCH, micro_batch=8, min_workers=4
         )
+        cluster.start_coordinator(job)
         deadline = time.monotonic() + budget.left(150)
         while store.get_fields("job", "ft-heavy").get("round", 0) < 2:
             assert time.monotonic() < deadline, cluster.log_tail("coordinator")
@@ -233,6 +274,10 @@ def test_heavy_recovery_plans_again_from_profiles_and_stays_exact(
     assert_matches_reference(load_full_state(store, "ft-heavy", ROUNDS), reference[0])
     events = [e for e in store.read("events", "ft-heavy") if e["event"] == "recovered"]
     assert len(events) == 1 and events[0]["recovery"] == "heavy", events
+    # every layer gathered in Redis from the survivors at the cut, then every stage loaded
+    loads = sum((hi - lo) * len(devs) for lo, hi, devs in events[0]["stages"])
+    assert events[0]["source"] == "replicas", events
+    assert events[0]["moved_layers"] == 7 + loads, events
     assert events[0]["lost"] == [victim]
     replanned = store.get_json("plan", "ft-heavy")
     assert victim not in [a["device"] for st in replanned["stages"] for a in st["devices"]]

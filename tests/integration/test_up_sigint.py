@@ -97,7 +97,8 @@ def test_sigint_to_up_during_training_stops_everything(tmp_path, budget: Budget)
     )
     logs = tmp_path / "logs"
     cmd = [sys.executable, "-m", "services.cli", "up", "--workers", "3", "--job", str(job)]
-    cmd += ["--cluster", "sigint", "--logs", str(logs)]  # no --redis-url: its own Redis
+    # no --redis-url: its own Redis, keeping its data in this test's folder
+    cmd += ["--cluster", "sigint", "--logs", str(logs), "--state-dir", str(tmp_path / "redis")]
     tag = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASTEROID_")}
     env[MARKER] = tag

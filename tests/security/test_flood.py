@@ -28,11 +28,12 @@ from common.checkpoint import load_full_state
 from common.codec import encode
 from common.ids import DeviceId
 from common.messages import Heartbeat
+from common.ports import free_port
 from common.settings import CoordinatorSettings
 from common.store import Store
 from services.coordinator.membership import Verdict
 from services.coordinator.service import PUMP_MAX_MESSAGES, Coordinator
-from tests.cluster import LocalCluster, free_port
+from tests.cluster import LocalCluster
 from tests.integration.test_equivalence import SGD, stage
 from tests.reference import assert_matches_reference, reference_train
 

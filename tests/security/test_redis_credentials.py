@@ -35,10 +35,11 @@ from common.errors import ProtocolError
 from common.job import JobSpec
 from common.messages import PROTOCOL_VERSION, Assign
 from common.plan import Plan
+from common.ports import free_port
 from common.procs import spawn, stop_all
 from common.settings import CoordinatorSettings
 from common.store import Store
-from tests.cluster import Budget, LocalCluster, free_port
+from tests.cluster import Budget, LocalCluster
 from tests.integration.test_equivalence import SGD, stage
 
 ACL_FILE = Path(__file__).resolve().parents[2] / "deploy" / "redis-acl.conf"
@@ -55,7 +56,7 @@ PLAN = {"global_batch": 32, "microbatches": 4, "stages": STAGES}
 
 
 def _assign() -> Assign:
-    """An Assign with every field the coordinator fills in (`JobRun._assign_all`)."""
+    """An Assign with every field the coordinator fills in (`driver._assign`)."""
     plan = Plan.model_validate(PLAN)
     return Assign(
         epoch=1,

@@ -24,9 +24,10 @@ import redis
 from common.checkpoint import load_full_state
 from common.embedded_redis import redis_server_binary, wait_until_answers
 from common.messages import SubmitJob
+from common.ports import free_port
 from common.store import Store
 from services.cli.client import ask_coordinator
-from tests.cluster import LocalCluster, free_port
+from tests.cluster import LocalCluster
 from tests.reference import assert_losses_match, assert_matches_reference, reference_train
 
 pytestmark = pytest.mark.integration
@@ -91,15 +92,24 @@ def own_redis(tmp_path: Path) -> Iterator[KillableRedis]:
         server.kill()
 
 
-def _wait_for(what: str, check: Any, timeout_s: float) -> Any:
-    """Poll `check()` (Redis errors count as not yet) until truthy; bounded by `timeout_s`."""
+def _wait_for(what: str, check: Any, timeout_s: float, cluster: LocalCluster) -> Any:
+    """Poll `check()` (Redis errors count as not yet) until truthy; bounded by `timeout_s`.
+
+    A wait that runs out shows the coordinator's and the workers' logs: a job that
+    never got going says why only there.
+    """
     deadline = time.monotonic() + timeout_s
+    coordinator = cluster.procs.get("coordinator")
     while time.monotonic() < deadline:
         with contextlib.suppress(redis.RedisError):
             if value := check():
                 return value
+        if coordinator is not None and coordinator.poll() is not None:
+            what = f"{what}, but the coordinator exited with {coordinator.returncode}"
+            break
         time.sleep(0.05)
-    raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
+    logs = "\n".join(cluster.log_tail(name, 40) for name in sorted(cluster.procs))
+    raise AssertionError(f"waited {timeout_s:.0f} s for {what}\n{logs}")
 
 
 def _cluster(tmp_path: Path, server: KillableRedis, budget: Any, outage_s: float) -> LocalCluster:
@@ -124,6 +134,7 @@ def test_a_job_pauses_through_a_redis_outage_and_ends_with_the_reference_weights
             "round 3 committed",
             lambda: store.get_fields("job", "outage").get("round", 0) >= 3,
             budget.left(120),
+            cluster,
         )
         own_redis.kill()
         time.sleep(OUTAGE_S)
@@ -166,6 +177,7 @@ def test_an_outage_longer_than_the_patience_fails_the_job_by_name_and_the_coordi
             "the workers to join",
             lambda: all(store.get_fields("device", d) for d in ("a", "b", "c")),
             budget.left(60),
+            cluster,
         )
         job = {**JOB, "global_batch": 32, "micro_batch": 8, "rounds": 300}
         spec = SubmitJob.model_validate({"type": "submit_job", "job": job})
@@ -175,12 +187,14 @@ def test_an_outage_longer_than_the_patience_fails_the_job_by_name_and_the_coordi
             "round 2 committed",
             lambda: store.get_fields("job", "outage").get("round", 0) >= 2,
             budget.left(180),
+            cluster,
         )
         own_redis.kill()
         ended = _wait_for(
             "the job to fail",
             lambda: _events(cluster, "coordinator", "job ended"),
             budget.left(60),
+            cluster,
         )
         assert "unreachable for" in ended[0]["error"] and "Redis at" in ended[0]["error"]
         time.sleep(1)  # still serving, not exited
@@ -191,6 +205,7 @@ def test_an_outage_longer_than_the_patience_fails_the_job_by_name_and_the_coordi
             "the failed state in Redis",
             lambda: (f := store.get_fields("job", "outage")).get("state") == "failed" and f,
             budget.left(30),
+            cluster,
         )
         assert "unreachable for" in state["error"]
         # and it serves on: a new job id is accepted
@@ -203,6 +218,7 @@ def test_an_outage_longer_than_the_patience_fails_the_job_by_name_and_the_coordi
             "the next job to finish",
             lambda: store.get_fields("job", "after").get("state") == "finished",
             budget.left(120),
+            cluster,
         )
     finally:
         cluster.close()

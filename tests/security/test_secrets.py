@@ -25,10 +25,11 @@ import structlog
 from common.errors import StoreError
 from common.exit_codes import ExitCode
 from common.logging import configure_logging, get_logger, mask_secrets
+from common.ports import free_port
 from common.secrets import MASK, is_secret_key, mask, mask_text, mask_url
 from common.settings import CommonSettings, CoordinatorSettings
 from common.store import Store
-from tests.cluster import LocalCluster, free_port
+from tests.cluster import LocalCluster
 
 PASSWORD = "Sup3r-s3cret-pw"
 """Distinct enough that finding it anywhere in an output means it leaked."""
@@ -304,7 +305,7 @@ def test_coordinator_refuses_to_start_without_redis_and_hides_the_password(
     )
     code = c.wait("coordinator", 60)
     out = _output(c, "coordinator")
-    assert code == ExitCode.JOB_FAILED, out
+    assert code == ExitCode.REDIS_UNAVAILABLE, out
     errors = [
         e for e in c.log_events("coordinator") if e.get("event") == "coordinator cannot start"
     ]

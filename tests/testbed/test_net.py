@@ -127,3 +127,29 @@ def test_run_reports_the_command_and_stderr():
     assert net.run(["ls", "/no/such/dir"], check=False) == ""
     with pytest.raises(net.NetError, match="no-such-binary"):
         net.run(["no-such-binary-here"])
+
+
+def test_with_iptables_the_bridge_accepts_its_own_forwarding_first():
+    cmds = net.bridge_commands("abc123", "10.77.5.0/24", "10.77.5.1", iptables=True)
+    assert cmds[0] == ["iptables", "-I", *net.forward_rule("abc123")]
+    assert net.bridge_commands("abc123", "10.77.5.0/24", "10.77.5.1") == cmds[1:]
+    rule = " ".join(net.forward_rule("abc123"))
+    assert "-i aebr-abc123 -o aebr-abc123" in rule and rule.endswith("-j ACCEPT")
+
+
+@pytest.mark.parametrize(
+    ("line", "tag"),
+    [
+        (
+            "-A FORWARD -i aebr-abc -o aebr-abc -m comment --comment asteroid-testbed-abc "
+            "-j ACCEPT",
+            "abc",
+        ),
+        ('-A FORWARD -m comment --comment "asteroid-testbed-t1" -j ACCEPT', "t1"),
+        ("-A FORWARD -j DOCKER-USER", None),
+        ("-A FORWARD -m comment --comment asteroid-testbed-abcx-other -j ACCEPT", None),
+        ("-A FORWARD -m comment --comment not-asteroid-testbed-abc -j ACCEPT", None),
+    ],
+)
+def test_forward_rules_are_ours_only_by_their_exact_comment(line, tag):
+    assert net.forward_tag(line) == tag

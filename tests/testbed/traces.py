@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,16 +17,25 @@ def links() -> list[str]:
     return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
 
 
+def forward_rules(tag: str) -> list[str]:
+    """FORWARD rules whose comment names the testbed `tag` (none without iptables)."""
+    if shutil.which("iptables") is None:
+        return []
+    out = subprocess.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True).stdout
+    return [r for r in out.splitlines() if f"asteroid-testbed-{tag}" in r.split()]
+
+
 def cgroups(tag: str) -> list[Path]:
     return [p for p in Path("/sys/fs/cgroup").glob(f"**/asteroid-testbed/{tag}") if p.is_dir()]
 
 
 def traces(tag: str) -> list[str]:
-    """Every namespace, link and cgroup whose name carries `tag`."""
+    """Every namespace, link, cgroup and FORWARD rule whose name carries `tag`."""
     return (
         [f"netns {n}" for n in netns() if n.startswith(f"ae-{tag}-")]
         + [f"link {n}" for n in links() if n in (f"aebr-{tag}",) or n.startswith(f"aev-{tag}-")]
         + [f"cgroup {p}" for p in cgroups(tag)]
+        + [f"iptables {r}" for r in forward_rules(tag)]
     )
 
 

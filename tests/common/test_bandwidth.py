@@ -4,12 +4,15 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 import zmq
 
+from common.bandwidth import BandwidthError, BandwidthSink, probe_bandwidth, probe_link
+from common.codec import encode
 from common.curve import CurveKeys, create_key_set
 from common.errors import ConfigError
+from common.messages import PROTOCOL_VERSION, LinkData, LinkHello, Probe
 from common.sockets import connect_dealer
-from services.profiler.bandwidth import BandwidthError, BandwidthSink, probe_bandwidth, probe_link
 
 
 @pytest.fixture
@@ -49,36 +52,54 @@ def test_concurrent_probes_are_counted_apart(ctx, sink):
 
 def test_absent_peer_times_out_with_a_clear_error(ctx):
     started = time.monotonic()
-    with pytest.raises(BandwidthError, match=r"no 'ready' reply .* within the probe's 0.3 s"):
+    with pytest.raises(BandwidthError, match=r"no 'link_ready' reply .* within the probe's 0.3 s"):
         probe_bandwidth(ctx, "tcp://127.0.0.1:1", nbytes=1024, count=2, timeout_s=0.3)
     assert time.monotonic() - started < 2
     assert isinstance(BandwidthError("x"), TimeoutError)
 
 
+def _frames(msg, tensors=()):
+    return encode(msg, "bad", tensors)
+
+
 def test_sink_survives_malformed_frames(ctx, sink):
-    bad = ctx.socket(zmq.DEALER)
-    bad.setsockopt(zmq.LINGER, 0)
-    bad.connect(sink.endpoint)
+    anonymous = ctx.socket(zmq.DEALER)  # ZeroMQ's own binary identity: cannot be answered
+    anonymous.setsockopt(zmq.LINGER, 0)
+    anonymous.connect(sink.endpoint)
+    anonymous.send_multipart(_frames(LinkHello(probe="a", count=1, nbytes=1)))
+    bad = connect_dealer(ctx, sink.endpoint, "bad", 5)
     bad.send(b"\xc1not msgpack")
-    bad.send(msgpack.packb({"v": 1, "kind": "data", "probe": "nobody"}))  # data without hello
-    bad.send(msgpack.packb({"v": 2, "kind": "hello", "probe": "x"}))  # unknown version
-    bad.send_multipart([b"a", b"b", b"c"])  # too many frames
-    hello = {"v": 1, "kind": "hello", "probe": "p", "count": 1, "nbytes": 10}
-    bad.send(msgpack.packb(hello))
+    data = LinkData(probe="nobody", seq=0)
+    bad.send_multipart(_frames(data, [torch.zeros(4, dtype=torch.uint8)]))  # data without hello
+    old = msgpack.unpackb(_frames(LinkHello(probe="x", count=1, nbytes=1))[0])
+    bad.send(msgpack.packb({**old, "v": PROTOCOL_VERSION - 1}))  # unknown version
+    bad.send_multipart([*_frames(LinkHello(probe="y", count=1, nbytes=1)), b"c"])  # extra frame
+    bad.send_multipart(_frames(Probe(nonce=1)))  # a message no sink takes
+    bad.send_multipart(_frames(LinkHello(probe="p", count=2, nbytes=10)))
     assert bad.poll(5000)
-    bad.recv()  # ready
-    bad.send_multipart([msgpack.packb({"v": 1, "kind": "data", "probe": "p"}), b"short"])
+    assert msgpack.unpackb(bad.recv())["msg"]["type"] == "link_ready"
+    short = torch.zeros(5, dtype=torch.uint8)
+    bad.send_multipart(_frames(LinkData(probe="p", seq=0), [short]))  # not the announced size
+    wide = torch.zeros(10, dtype=torch.float32)
+    bad.send_multipart(_frames(LinkData(probe="p", seq=0), [wide]))  # not uint8
+    huge = msgpack.unpackb(_frames(LinkData(probe="p", seq=0))[0])
+    huge["tensors"] = [["uint8", [1 << 40], 1 << 40]]  # announces a terabyte
+    bad.send(msgpack.packb(huge))
     deadline = time.monotonic() + 5
-    while sink.bad_messages < 5 and time.monotonic() < deadline:
+    while sink.bad_messages < 9 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert sink.bad_messages == 5
+    assert sink.bad_messages == 9
+    assert not bad.poll(200)  # nothing acknowledged the bad payloads
     bad.close(0)
+    anonymous.close(0)
     assert probe_bandwidth(ctx, sink.endpoint, nbytes=1024, count=4) > 0  # still serving
 
 
-@pytest.mark.parametrize(("nbytes", "count", "timeout_s"), [(0, 1, 1.0), (1, 0, 1.0), (1, 1, 0)])
+@pytest.mark.parametrize(
+    ("nbytes", "count", "timeout_s"), [(0, 1, 1.0), (1, 0, 1.0), (1, 1, 0), (1 << 30, 1, 1.0)]
+)
 def test_bad_probe_arguments(ctx, nbytes, count, timeout_s):
-    with pytest.raises(ValueError, match="need nbytes"):
+    with pytest.raises(ValueError, match="need 1 <= nbytes"):
         probe_link(ctx, "tcp://127.0.0.1:1", nbytes, count, timeout_s)
 
 
@@ -129,7 +150,8 @@ def test_prober_without_an_admitted_key_gets_no_answer(ctx, keydir, tmp_path, cu
         keys = CurveKeys.load(keydir, "worker", "w2")
         (keydir / "workers" / "w2.key").unlink()
     started = time.monotonic()
-    with pytest.raises(BandwidthError, match=r"no 'ready' reply .* admit this prober's key"):
+    # refused at the handshake: no reply, or (refused before the hello left) no pipe to send on
+    with pytest.raises(BandwidthError, match=r"(no 'link_ready' reply|could not send).* admit"):
         probe_link(
             ctx, curve_sink.endpoint, 1024, 2, WAIT_S, keys=keys, sink="w1" if keys else None
         )
@@ -147,8 +169,7 @@ def test_curve_sink_refuses_a_prober_posing_as_another_worker(ctx, keydir, curve
         ctx, curve_sink.endpoint, "w1/bw-x", 5, CurveKeys.load(keydir, "worker", "w2"), w1.public
     )
     try:
-        hello = {"v": 1, "kind": "hello", "probe": "p", "count": 1, "nbytes": 10}
-        spoof.send(msgpack.packb(hello))
+        spoof.send_multipart(_frames(LinkHello(probe="p", count=1, nbytes=10)))
         deadline = time.monotonic() + 5
         while curve_sink.bad_messages < 1 and time.monotonic() < deadline:
             time.sleep(0.01)

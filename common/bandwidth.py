@@ -2,13 +2,14 @@
 
 A prober streams `count` messages of `nbytes` to a `BandwidthSink` over what a
 worker's `Dispatcher` and `Receiver` use: a DEALER from `connect_dealer` to a
-ROUTER from `bind_router`, each message a small msgpack header frame plus one
-raw payload frame sent without a copy and received without one. The sink
+ROUTER from `bind_router`, each message the project's codec frames (a msgpack
+header, then one raw uint8 payload frame sent without a copy). The sink
 acknowledges the last message, so the prober's clock covers every byte.
 
-The probe speaks a private header (not the `common.messages` union) so that a
-bandwidth sink never mixes with a worker's task pool. A handshake first makes
-sure the sink is there and measures the round trip; every wait has a deadline.
+The probe speaks its own message types (LinkHello -> LinkReady, LinkData x
+count -> LinkDone) to its own socket, so a bandwidth sink never mixes with a
+worker's task pool. A handshake first makes sure the sink is there and
+measures the round trip; every wait has a deadline.
 
 With CURVE keys (`common.curve`) the probe is secured like the data plane it
 measures, and so also measures the encryption's cost: the sink is a CURVE
@@ -16,6 +17,8 @@ server with its worker's own pair and admits only worker keys of the set, and
 the prober is a CURVE client with its own pair and the sink worker's public
 key. A prober without an admitted key is refused at the handshake, so it hears
 nothing and fails with BandwidthError at its deadline.
+
+It lives in `common` because both the profiler and every worker run it.
 """
 
 from __future__ import annotations
@@ -25,62 +28,46 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import msgpack
+import torch
 import zmq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from common.codec import Limits
+from common.codec import Envelope, Limits, recv_message, send_message
 from common.curve import CurveKeys
-from common.errors import AsteroidError
+from common.errors import AsteroidError, ProtocolError
 from common.logging import get_logger
+from common.messages import (
+    MAX_LINK_COUNT,
+    MAX_LINK_MESSAGE_BYTES,
+    LinkData,
+    LinkDone,
+    LinkHello,
+    LinkReady,
+    Message,
+)
 from common.sockets import bind_router, connect_dealer, poll_in
 
-__all__ = ["BandwidthError", "BandwidthSink", "LinkProbe", "probe_bandwidth", "probe_link"]
+__all__ = [
+    "MAX_COUNT",
+    "MAX_PROBES",
+    "BandwidthError",
+    "BandwidthSink",
+    "LinkProbe",
+    "probe_bandwidth",
+    "probe_link",
+]
 
 log = get_logger(__name__)
 
-MAX_COUNT = 1_000_000
+MAX_COUNT = MAX_LINK_COUNT
 MAX_PROBES = 64  # probes a sink tracks at once; a flood of hellos cannot grow it further
+_REPLY_LIMITS = Limits(max_header_bytes=4096, max_tensor_bytes=0, max_tensors=0)
+"""A sink's replies are one small header: anything bigger is not a sink's."""
 
 
 class BandwidthError(AsteroidError, TimeoutError):
     """A bandwidth probe got no (or no valid) answer from the sink in time."""
-
-
-class _Header(BaseModel):
-    """The probe's one header: ``hello`` -> ``ready``, ``data`` x count -> ``done``."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    v: Literal[1] = 1
-    kind: Literal["hello", "ready", "data", "done"]
-    probe: str = Field(min_length=1, max_length=64)
-    count: int = Field(0, ge=0, le=MAX_COUNT)
-    nbytes: int = Field(0, ge=0)
-    seq: int = Field(0, ge=0)
-
-
-def _pack(header: _Header) -> bytes:
-    return bytes(msgpack.packb(header.model_dump(), use_bin_type=True))
-
-
-def _unpack(raw: bytes, limits: Limits) -> _Header:
-    """Decode a header frame; ValueError says what is wrong with it."""
-    if len(raw) > limits.max_header_bytes:
-        raise ValueError(f"header of {len(raw)} bytes exceeds {limits.max_header_bytes}")
-    try:
-        body = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise ValueError(f"undecodable header ({type(exc).__name__})") from exc
-    if not isinstance(body, dict):
-        raise ValueError(f"header is a {type(body).__name__}, not a map")
-    try:
-        return _Header.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ValueError(f"{first['msg']} at {'.'.join(map(str, first['loc']))}") from exc
 
 
 @dataclass
@@ -94,9 +81,9 @@ class _Stream:
 class BandwidthSink(threading.Thread):
     """A ROUTER that counts probe messages and acknowledges each completed probe.
 
-    Run it on a device (a worker can start one beside its data socket) and give
-    its `endpoint` to probers. A malformed frame is logged with its sender and
-    dropped; probes unfinished after `stale_s` are forgotten.
+    Run it on a device (each worker starts one beside its data socket) and give
+    its `endpoint` to probers. A malformed or unexpected message is logged with
+    its sender and dropped; probes unfinished after `stale_s` are forgotten.
 
     With `keys` (the device's worker pair) it is a CURVE server admitting keys
     of the set in `roles`, as the worker's data socket is, and takes a message
@@ -114,13 +101,19 @@ class BandwidthSink(threading.Thread):
         roles: Iterable[str] = ("worker",),
     ) -> None:
         super().__init__(name="bandwidth-sink", daemon=True)
-        self.limits = limits or Limits()
+        # one payload tensor per message, no larger than a probe may announce
+        base = limits or Limits()
+        self.limits = Limits(
+            base.max_header_bytes,
+            min(base.max_tensor_bytes, MAX_LINK_MESSAGE_BYTES),
+            max_tensors=1,
+            max_dims=1,
+        )
         self._sock, self.endpoint = bind_router(ctx, bind, self.limits, keys=keys, roles=roles)
-        self._curve = keys is not None
         self.stale_s = stale_s
         self.stop = threading.Event()
         self.bad_messages = 0
-        self._streams: dict[tuple[bytes, str], _Stream] = {}
+        self._streams: dict[tuple[str, str], _Stream] = {}
 
     def __enter__(self) -> BandwidthSink:
         self.start()
@@ -130,10 +123,12 @@ class BandwidthSink(threading.Thread):
         self.close()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop receiving and wait (bounded) for the thread."""
+        """Stop receiving and wait (bounded) for the thread; the socket closes with it."""
         self.stop.set()
         if self.is_alive():
             self.join(timeout_s)
+        elif not self._sock.closed:  # never started
+            self._sock.close(0)
 
     def run(self) -> None:
         """Serve probes until stopped; never dies on a bad message."""
@@ -146,66 +141,52 @@ class BandwidthSink(threading.Thread):
             self._sock.close(0)
 
     def _receive(self) -> None:
-        frames = self._sock.recv_multipart(copy=False)
-        route = bytes(frames[0].bytes)
-        peer = route.decode(errors="replace")
         try:
-            if len(frames) not in (2, 3):
-                raise ValueError(f"{len(frames) - 1} frames after the route, expected 1 or 2")
-            if self._curve:
-                _check_user(frames[1], peer)
-            header = _unpack(frames[1].bytes, self.limits)
-            payload = len(frames[2].buffer) if len(frames) == 3 else 0
-            reply = self._handle(route, header, payload)
-        except ValueError as exc:
+            peer, env = recv_message(self._sock, self.limits, routed=True)
+            reply = self._handle(peer, env)
+        except ProtocolError as exc:
             self.bad_messages += 1
-            log.warning("dropped bad bandwidth probe message", peer=peer, reason=str(exc))
+            log.warning("dropped bad bandwidth probe message", peer=exc.sender, reason=exc.reason)
             return
         if reply is not None:
-            self._sock.send_multipart([route, _pack(reply)])
+            send_message(self._sock, reply, "sink", route=peer.encode())
 
-    def _handle(self, route: bytes, h: _Header, payload: int) -> _Header | None:
-        key = (route, h.probe)
-        if h.kind == "hello":
+    def _handle(self, peer: str, env: Envelope) -> Message | None:
+        """The reply to one probe message, if it completes a step; ProtocolError if bad."""
+        msg = env.msg
+        if peer.startswith("\x00") or "\ufffd" in peer:  # ZeroMQ-made, or not UTF-8
+            raise ProtocolError("a prober names itself with a UTF-8 routing identity", peer)
+        if isinstance(msg, LinkHello):
+            if env.tensors:
+                raise ProtocolError("a hello carries no payload", peer, msg.type)
+            key = (peer, msg.probe)
             if key not in self._streams and len(self._streams) >= MAX_PROBES:
-                raise ValueError(f"already tracking {MAX_PROBES} probes")
-            self._streams[key] = _Stream(h.count, h.nbytes, time.monotonic())
-            return _Header(kind="ready", probe=h.probe, count=h.count, nbytes=h.nbytes)
-        if h.kind != "data":
-            raise ValueError(f"a sink does not take {h.kind!r} messages")
-        stream = self._streams.get(key)
+                raise ProtocolError(f"already tracking {MAX_PROBES} probes", peer, msg.type)
+            self._streams[key] = _Stream(msg.count, msg.nbytes, time.monotonic())
+            return LinkReady(probe=msg.probe, count=msg.count, nbytes=msg.nbytes)
+        if not isinstance(msg, LinkData):
+            raise ProtocolError(f"a sink does not take {msg.type!r} messages", peer, msg.type)
+        stream = self._streams.get((peer, msg.probe))
         if stream is None:
-            raise ValueError(f"data of probe {h.probe!r} without a hello")
-        if payload != stream.nbytes:
-            raise ValueError(f"payload of {payload} bytes, probe announced {stream.nbytes}")
+            raise ProtocolError(f"data of probe {msg.probe!r} without a hello", peer, msg.type)
+        payload = [t.numel() if t.dtype == torch.uint8 else -1 for t in env.tensors]
+        if payload != [stream.nbytes]:
+            raise ProtocolError(
+                f"payload {payload} (bytes of uint8 tensors; -1: another dtype), probe "
+                f"announced one of {stream.nbytes}",
+                peer,
+                msg.type,
+            )
         stream.received += 1
         if stream.received < stream.count:
             return None
-        del self._streams[key]
-        return _Header(
-            kind="done", probe=h.probe, count=stream.received, nbytes=stream.nbytes * stream.count
-        )
+        del self._streams[(peer, msg.probe)]
+        return LinkDone(probe=msg.probe, count=stream.received, nbytes=stream.nbytes * stream.count)
 
     def _forget_stale(self) -> None:
         now = time.monotonic()
         for key in [k for k, s in self._streams.items() if now - s.started > self.stale_s]:
             del self._streams[key]
-
-
-def _check_user(frame: zmq.Frame, peer: str) -> None:
-    """ValueError unless `peer` is the name (or "NAME/...") of the key that sent `frame`.
-
-    The ZAP handler proved the key; the routing identity is only claimed.
-    """
-    try:
-        user = frame.get("User-Id")
-    except zmq.ZMQError:
-        user = ""
-    _, _, name = (user if isinstance(user, str) else "").partition(":")
-    if not name:
-        raise ValueError("CURVE message without an authenticated key (no User-Id)")
-    if peer != name and not peer.startswith(name + "/"):
-        raise ValueError(f"routing identity {peer!r} differs from its key's name {name!r}")
 
 
 @dataclass(frozen=True)
@@ -233,24 +214,27 @@ class LinkProbe:
 
 
 def _await(
-    sock: zmq.Socket[Any], want: _Header, deadline: float, addr: str, timeout_s: float
-) -> _Header:
-    """The reply of kind `want.kind` for `want.probe`, or BandwidthError at `deadline`."""
-    limits = Limits()
+    sock: zmq.Socket[Any],
+    kind: type[LinkReady | LinkDone],
+    probe: str,
+    deadline: float,
+    addr: str,
+    timeout_s: float,
+) -> LinkReady | LinkDone:
+    """The sink's reply of type `kind` for `probe`, or BandwidthError at `deadline`."""
     while (left := deadline - time.monotonic()) > 0:
         if not poll_in(sock, left):
             break
-        raw = sock.recv()
-        while sock.getsockopt(zmq.RCVMORE):  # a reply is one frame; drop any extra
-            sock.recv()
         try:
-            got = _unpack(raw, limits)
-        except ValueError as exc:
+            _, env = recv_message(sock, _REPLY_LIMITS)
+        except ProtocolError as exc:
             raise BandwidthError(f"bandwidth sink at {addr} sent a bad reply: {exc}") from exc
-        if got.kind == want.kind and got.probe == want.probe:
+        got = env.msg
+        if isinstance(got, kind) and got.probe == probe:
             return got
+    name = kind.model_fields["type"].default
     raise BandwidthError(
-        f"no {want.kind!r} reply from a bandwidth sink at {addr} within the probe's "
+        f"no {name!r} reply from a bandwidth sink at {addr} within the probe's "
         f"{timeout_s} s (is a sink running there, and does it admit this prober's key?)"
     )
 
@@ -279,10 +263,10 @@ def probe_link(
             without `sink`.
 
     """
-    if nbytes < 1 or not 1 <= count <= MAX_COUNT or timeout_s <= 0:
+    if not 1 <= nbytes <= MAX_LINK_MESSAGE_BYTES or not 1 <= count <= MAX_COUNT or timeout_s <= 0:
         raise ValueError(
-            f"need nbytes >= 1, 1 <= count <= {MAX_COUNT} and timeout_s > 0, "
-            f"got {nbytes}, {count} and {timeout_s}"
+            f"need 1 <= nbytes <= {MAX_LINK_MESSAGE_BYTES}, 1 <= count <= {MAX_COUNT} and "
+            f"timeout_s > 0, got {nbytes}, {count} and {timeout_s}"
         )
     if keys is not None and sink is None:
         raise ValueError(f"a CURVE probe of {peer_addr} needs the name of the sink's worker")
@@ -295,20 +279,22 @@ def probe_link(
         ctx, peer_addr, identity, send_timeout_s=timeout_s, keys=keys, server_key=server_key
     )
     try:
-        hello = _Header(kind="hello", probe=probe, count=count, nbytes=nbytes)
         t0 = time.perf_counter()
-        sock.send(_pack(hello))
-        _await(sock, _Header(kind="ready", probe=probe), deadline, peer_addr, timeout_s)
+        send_message(sock, LinkHello(probe=probe, count=count, nbytes=nbytes), identity)
+        _await(sock, LinkReady, probe, deadline, peer_addr, timeout_s)
         rtt = time.perf_counter() - t0
-        payload = memoryview(bytearray(nbytes))
+        payload = torch.zeros(nbytes, dtype=torch.uint8)
         t0 = time.perf_counter()
         for seq in range(count):
-            header = _pack(_Header(kind="data", probe=probe, seq=seq))
-            sock.send_multipart([header, payload], copy=False)
-        done = _await(sock, _Header(kind="done", probe=probe), deadline, peer_addr, timeout_s)
+            send_message(sock, LinkData(probe=probe, seq=seq), identity, [payload])
+        done = _await(sock, LinkDone, probe, deadline, peer_addr, timeout_s)
         elapsed = time.perf_counter() - t0
     except zmq.Again as exc:
-        raise BandwidthError(f"could not send to {peer_addr} within {timeout_s} s") from exc
+        # a sink that refuses the key at the handshake leaves no pipe to send on
+        raise BandwidthError(
+            f"could not send to {peer_addr} within {timeout_s} s (is a sink running "
+            "there, and does it admit this prober's key?)"
+        ) from exc
     finally:
         sock.close(0)
     if done.count != count or done.nbytes != count * nbytes:

@@ -1,0 +1,102 @@
+"""Flags and `ASTEROID_*` variables into a service's settings, or one line saying what is wrong.
+
+Every `asteroid-<service>` parses its command line here, so all of them
+answer `--version` alike and refuse a bad flag alike: one line on stderr
+naming the flag (and its variable), what was expected and what was given,
+then exit code 2 (`ExitCode.CONFIG`), never a traceback. The `asteroid`
+command uses the same wording for settings it builds from its options.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import NoReturn, TypeVar
+
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsError
+
+from common.exit_codes import ExitCode
+from common.secrets import mask_text
+from common.settings import CommonSettings
+from common.version import VERSION
+
+__all__ = ["error_line", "exit_with_error", "is_settings_error", "parse_settings"]
+
+S = TypeVar("S", bound=BaseSettings)
+
+_ENV_PREFIX = str(CommonSettings.model_config.get("env_prefix", ""))
+_MAX_SHOWN = 80
+"""Longest given value quoted back; flags are hostile input too and the line stays one line."""
+
+
+def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str) -> S:
+    """`cls` from `argv` (default: this process's arguments) over the environment.
+
+    `--version` prints "`prog` VERSION" and exits 0; `--help` is generated from
+    the fields. A flag or variable that does not validate ends the process
+    through `exit_with_error`.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    source: CliSettingsSource[object] = CliSettingsSource(
+        cls, cli_prog_name=prog, cli_exit_on_error=False
+    )
+    source.root_parser.add_argument(  # type: ignore[attr-defined]
+        "--version",
+        action="version",
+        version=f"%(prog)s {VERSION}",
+        help="print the version and exit",
+    )
+    try:
+        return CliApp.run(cls, cli_args=args, cli_settings_source=source)
+    except (SettingsError, ValidationError) as exc:
+        exit_with_error(prog, exc)
+
+
+def exit_with_error(prog: str, exc: SettingsError | ValidationError) -> NoReturn:
+    """Print `exc` as one line on stderr, prefixed by `prog`, and exit with ExitCode.CONFIG."""
+    print(f"{prog}: error: {error_line(exc)}", file=sys.stderr)
+    raise SystemExit(int(ExitCode.CONFIG))
+
+
+def is_settings_error(exc: ValidationError) -> bool:
+    """Whether `exc` came from validating settings (flags, variables), not data or messages."""
+    return exc.title in {c.__name__ for c in _settings_classes(CommonSettings)}
+
+
+def error_line(exc: SettingsError | ValidationError) -> str:
+    """One line naming each bad flag, what it expects and (credentials hidden) what it got."""
+    if isinstance(exc, SettingsError):
+        text = str(exc).removeprefix("error parsing CLI: ")
+    else:
+        text = "; ".join(_describe(err) for err in exc.errors(include_url=False))
+    return " ".join(mask_text(text).split())
+
+
+def _describe(err: ErrorDetails) -> str:
+    loc = [str(part) for part in err["loc"]]
+    message = err["msg"]
+    ctx = err.get("ctx") or {}
+    if err["type"] == "value_error" and "error" in ctx:
+        message = str(ctx["error"])  # without pydantic's "Value error, " prefix
+    given = err["input"]
+    if isinstance(given, str | int | float) and not isinstance(given, bool):
+        message += f" (got {_shown(str(given))!r})"
+    if not loc:
+        return message
+    name = loc[0]
+    where = f"--{name.replace('_', '-')} ({_ENV_PREFIX}{name.upper()})"
+    return f"{where}{''.join(f'[{p}]' for p in loc[1:])}: {message}"
+
+
+def _shown(value: str) -> str:
+    """`value` fit to quote back: credentials hidden, even in a URL missing its scheme."""
+    value = mask_text(value)
+    if "@" in value and "://" not in value:
+        value = "***@" + value.rsplit("@", 1)[1]
+    return value if len(value) <= _MAX_SHOWN else value[: _MAX_SHOWN - 3] + "..."
+
+
+def _settings_classes(cls: type[BaseSettings]) -> list[type[BaseSettings]]:
+    return [cls, *(c for sub in cls.__subclasses__() for c in _settings_classes(sub))]

@@ -207,6 +207,10 @@ def is_loopback(addr: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+AUTH_STOP_S = 5.0
+"""How long closing the last CURVE server waits for the ZAP handler's thread."""
+
+
 class _Authenticator(ThreadAuthenticator):
     """ZAP handler of one context: a domain per server socket, each with its roles."""
 
@@ -232,6 +236,28 @@ class _Authenticator(ThreadAuthenticator):
     def curve_user_id(self, client_public_key: bytes) -> str:
         """'ROLE:NAME' found for this key by the check just made."""
         return self._pending.pop(client_public_key, "")
+
+    def stop(self, timeout_s: float = AUTH_STOP_S) -> None:
+        """Stop the handler's thread, waiting at most `timeout_s` for it.
+
+        pyzmq's own `stop` joins without a bound, and it runs in whichever
+        thread closes the last server socket: a handler that does not answer
+        would hang that thread's shutdown, and with it the service's. One
+        that overstays is left to the process's exit (it is a daemon thread),
+        its sockets untouched, since closing them under it is undefined.
+        """
+        if self.pipe is None or self.thread is None:
+            return
+        self.pipe.send(b"TERMINATE")
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            self.log.warning("the ZAP handler did not stop within %.0f s; left running", timeout_s)
+            return
+        self.thread = None  # type: ignore[assignment]
+        self.pipe.close()
+        self.pipe = None  # type: ignore[assignment]
+        # the base Authenticator's stop: close the ZAP socket (the thread's is done)
+        super(ThreadAuthenticator, self).stop()
 
 
 _lock = threading.Lock()

@@ -11,6 +11,7 @@ serving.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -77,6 +78,9 @@ from services.worker.transport import Dispatcher, Receiver
 __all__ = ["Worker", "main"]
 
 log = get_logger(__name__)
+
+SLOW_CLOSE_S = 10.0
+"""A shutdown longer than this dumps every thread's stack to the log (it should take < 1 s)."""
 
 
 def default_threads(workers_per_host: int) -> int:
@@ -488,18 +492,35 @@ class Worker:
             raise AsteroidError(f"sending to a peer failed during {during}: {err}")
 
     def close(self) -> None:
-        """Stop threads and sockets; safe to call twice."""
-        self.control.close()
-        self.receiver.stop.set()
-        self.sink.close()
-        self.prober.join(timeout_s=1.0)
-        self.dispatcher.close()
-        self.bulk.close()
-        self.receiver.join(timeout=5)
-        self.dispatcher.join(timeout=5)
-        self.bulk.join(timeout=5)
-        self.store.close()
-        self.ctx.destroy(linger=0)
+        """Stop threads and sockets; safe to call twice.
+
+        Every wait is bounded. A shutdown that overstays `SLOW_CLOSE_S` writes
+        every thread's stack to the log (faulthandler needs neither the GIL nor
+        a responsive main thread), and the context is terminated only once no
+        thread of ours still uses a socket: ZeroMQ would wait for those forever.
+        """
+        faulthandler.dump_traceback_later(SLOW_CLOSE_S)
+        try:
+            self.control.close()
+            self.receiver.stop.set()
+            self.sink.close()
+            self.prober.join(timeout_s=1.0)
+            self.dispatcher.close()
+            self.bulk.close()
+            threads = (self.receiver, self.dispatcher, self.bulk, self.control, self.sink)
+            for thread in threads:
+                if thread.is_alive():
+                    thread.join(timeout=5)
+            self.store.close()
+            running = [t.name for t in threads if t.is_alive()]
+            if running:
+                log.error(
+                    "threads did not stop; leaving their sockets to the exit", threads=running
+                )
+            else:
+                self.ctx.destroy(linger=0)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def main(argv: list[str] | None = None) -> None:

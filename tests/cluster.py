@@ -41,6 +41,27 @@ class _Child:
 _CHILDREN: list[_Child] = []
 
 
+def spawned() -> int:
+    """How many children the tests have spawned so far (a mark for `children_report`)."""
+    return len(_CHILDREN)
+
+
+def children_report(since: int, lines: int = 15) -> str:
+    """Each child spawned after mark `since`: its exit status and its log's tail.
+
+    Attached to a failed test's report, so that a worker that crashed or never
+    joined is seen without re-running the test.
+    """
+    parts = []
+    for child in _CHILDREN[since:]:
+        code = child.proc.poll()
+        status = "still running" if code is None else f"exit code {code}"
+        parts.append(
+            f"--- {child.name} (pid {child.proc.pid}, {status}) ---\n{tail(child.log, lines)}"
+        )
+    return "\n".join(parts)
+
+
 def tail(path: Path, lines: int = 30) -> str:
     """The last `lines` lines of a log file, or a note that there is none."""
     if not path.exists():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 import redis
@@ -14,7 +14,7 @@ import torch
 from common.embedded_redis import EmbeddedRedis
 from common.errors import StoreError
 from common.store import Store
-from tests.cluster import CLEANUP_MARGIN_S, Budget, kill_all
+from tests.cluster import CLEANUP_MARGIN_S, Budget, children_report, kill_all, spawned
 
 REDIS_URL = os.environ.get("ASTEROID_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -26,6 +26,29 @@ def _seed() -> Iterator[None]:
     # services configure structlog for their process; in-process runs must not leak
     # that configuration (and its captured stream) into later tests
     structlog.reset_defaults()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """Remember which service processes the test body starts (see `pytest_runtest_makereport`)."""
+    item.stash[_SPAWNED_BEFORE] = spawned()
+    yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report shows every process it spawned: exit status and log tail."""
+    report = yield
+    if report.when == "call" and report.failed and _SPAWNED_BEFORE in item.stash:
+        text = children_report(item.stash[_SPAWNED_BEFORE])
+        if text:
+            report.sections.append(("service processes", text))
+    return report
+
+
+_SPAWNED_BEFORE = pytest.StashKey[int]()
 
 
 @pytest.fixture(scope="session", autouse=True)

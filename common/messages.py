@@ -11,12 +11,25 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
 
 from common.ids import DeviceId, JobId
 from common.job import JOB_ID_PATTERN, JobSpec
+from common.message_base import WireModel
 from common.plan import Plan
 from common.profile import ClusterSpec
+from common.serving_messages import (
+    BlocksProfiled,
+    HmpTile,
+    InferenceDone,
+    InferReply,
+    InferRequest,
+    LoadShard,
+    ProfileBlocks,
+    RunInference,
+    ServeModel,
+    ShardLoaded,
+)
 from common.zoo import ModelSpec
 
 __all__ = [
@@ -63,7 +76,7 @@ __all__ = [
     "message_adapter",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """2: Assign names no Redis; each worker uses its own URL, so no credentials travel.
 3: the coordinator probes suspects (Probe, ProbeReply); heartbeats carry progress.
 4: replicas and layer migration (LayerState, ReplicaSaved, Collect; RunRound keeps
@@ -71,7 +84,9 @@ versions, Assign names the peers layers come from).
 5: measured links (heartbeats advertise a bandwidth sink; MeasureLinks, LinksMeasured,
 and the probe's own LinkHello, LinkReady, LinkData, LinkDone).
 6: heartbeats carry the worker's release; devices ask the coordinator where Redis is
-(LocateRedis, RedisLocation: host, port, db, never a password)."""
+(LocateRedis, RedisLocation: host, port, db, never a password).
+7: serving (`common.serving_messages`): a model planned and loaded across devices answers
+inference requests; its ring's tiles travel as HmpTile."""
 
 MAX_LAYERS = 100_000
 """Most layers a message may name: far above any model, so only a hostile list hits it."""
@@ -97,14 +112,10 @@ ENDPOINT_PATTERN = r"^tcp://[^\s/]{1,250}$"
 _LinkPeer = Annotated[DeviceId, Field(min_length=1, max_length=255)]
 
 
-class _Msg(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
 # --- control plane: worker -> coordinator ---------------------------------
 
 
-class Heartbeat(_Msg):
+class Heartbeat(WireModel):
     """Liveness plus everything the coordinator needs to (re)register a worker."""
 
     type: Literal["heartbeat"] = "heartbeat"
@@ -151,7 +162,7 @@ class Heartbeat(_Msg):
     )
 
 
-class Assigned(_Msg):
+class Assigned(WireModel):
     """The worker built its stage for `epoch` and loaded weights of `round`."""
 
     type: Literal["assigned"] = "assigned"
@@ -161,7 +172,7 @@ class Assigned(_Msg):
     param_bytes: int
 
 
-class StageTimings(_Msg):
+class StageTimings(WireModel):
     """Where a worker's round time went, for metrics and the planner's feedback."""
 
     forward_s: float = 0.0
@@ -172,7 +183,7 @@ class StageTimings(_Msg):
     total_s: float = 0.0
 
 
-class _StageOutcome(_Msg):
+class _StageOutcome(WireModel):
     """What a stage replica did with its samples; the last stage adds loss and hits."""
 
     device: DeviceId
@@ -208,7 +219,7 @@ class EvalDone(_StageOutcome):
     type: Literal["eval_done"] = "eval_done"
 
 
-class CheckpointSaved(_Msg):
+class CheckpointSaved(WireModel):
     """A device's part of checkpoint `round`: the layers it wrote and its state's digest.
 
     The stage leader writes the layers (the others list none); every replica
@@ -224,7 +235,7 @@ class CheckpointSaved(_Msg):
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class LocateRedis(_Msg):
+class LocateRedis(WireModel):
     """Where is the cluster's Redis? Asked by a device (or the CLI) given no Redis URL.
 
     Any key of the set may ask: the answer holds no credential, which each
@@ -235,7 +246,7 @@ class LocateRedis(_Msg):
     nonce: int = Field(ge=0, lt=2**63)
 
 
-class ProbeReply(_Msg):
+class ProbeReply(WireModel):
     """The worker's control thread answers a Probe at once, whatever its stage is doing."""
 
     type: Literal["probe_reply"] = "probe_reply"
@@ -243,7 +254,7 @@ class ProbeReply(_Msg):
     nonce: int
 
 
-class ReplicaSaved(_Msg):
+class ReplicaSaved(WireModel):
     """`device` holds a complete replica of `origin`'s layers [start, end) at `version`.
 
     Sent by a backup node once every layer of the replica arrived, so the
@@ -259,7 +270,7 @@ class ReplicaSaved(_Msg):
     end: int = Field(ge=1)
 
 
-class LinksMeasured(_Msg):
+class LinksMeasured(WireModel):
     """The answer to MeasureLinks `nonce`: bytes/s to each sink, or why it failed.
 
     Every target named by the request is in exactly one of `rates` and `errors`.
@@ -276,7 +287,7 @@ class LinksMeasured(_Msg):
     )
 
 
-class WorkerError(_Msg):
+class WorkerError(WireModel):
     """A worker could not do what it was asked; the text says why."""
 
     type: Literal["worker_error"] = "worker_error"
@@ -289,7 +300,7 @@ class WorkerError(_Msg):
 # --- control plane: coordinator -> worker ----------------------------------
 
 
-class Assign(_Msg):
+class Assign(WireModel):
     """Run stage `stage` of `plan` from the weights of checkpoint `from_round`.
 
     Re-sent with a new epoch to move a worker to other layers without restarting it.
@@ -319,7 +330,7 @@ class Assign(_Msg):
     )
 
 
-class RunRound(_Msg):
+class RunRound(WireModel):
     """Start round `round` (0-based) of plan epoch `epoch`.
 
     `keep` names the versions of stage state the worker must keep (its own
@@ -336,7 +347,7 @@ class RunRound(_Msg):
     replicate: bool = False
 
 
-class RunEval(_Msg):
+class RunEval(WireModel):
     """Evaluate the weights of round `round` on `batches` global batches of held-out data.
 
     Forward only, through the same pipeline as training; nothing is updated.
@@ -348,7 +359,7 @@ class RunEval(_Msg):
     batches: int = Field(ge=1)
 
 
-class SaveCheckpoint(_Msg):
+class SaveCheckpoint(WireModel):
     """Write this stage's layers (weights and optimizer state) as checkpoint `round`."""
 
     type: Literal["save_checkpoint"] = "save_checkpoint"
@@ -356,7 +367,7 @@ class SaveCheckpoint(_Msg):
     round: int
 
 
-class Collect(_Msg):
+class Collect(WireModel):
     """Write the layers this device holds at `version` to Redis as checkpoint `version`.
 
     The heavy recovery's gather through the central store: its own stage's
@@ -370,7 +381,7 @@ class Collect(_Msg):
     layers: list[int] = Field(max_length=MAX_LAYERS)
 
 
-class Handover(_Msg):
+class Handover(WireModel):
     """Send peers the layers this device holds at `version`; it is leaving the plan.
 
     A drained device is not in the new plan, yet it may be the only holder of
@@ -386,7 +397,7 @@ class Handover(_Msg):
     sends: dict[DeviceId, list[int]] = Field(max_length=MAX_LINK_TARGETS)
 
 
-class RedisLocation(_Msg):
+class RedisLocation(WireModel):
     """The coordinator's answer to LocateRedis `nonce`: host, port, db and key prefix.
 
     Never a password or user: a device connects as its role's Redis user with
@@ -405,7 +416,7 @@ class RedisLocation(_Msg):
     error: str = Field("", max_length=500)
 
 
-class Probe(_Msg):
+class Probe(WireModel):
     """Are you there? Sent to a worker whose heartbeats are overdue; `nonce` pairs the reply.
 
     Only an unanswered probe makes a suspect dead: a heartbeat lost or late on
@@ -416,7 +427,7 @@ class Probe(_Msg):
     nonce: int
 
 
-class MeasureLinks(_Msg):
+class MeasureLinks(WireModel):
     """Measure the bandwidth from this worker to each target device's sink, one after another.
 
     Each probe streams `count` messages of `nbytes` and takes at most `timeout_s`;
@@ -434,7 +445,7 @@ class MeasureLinks(_Msg):
     timeout_s: float = Field(gt=0, le=MAX_LINK_TIMEOUT_S)
 
 
-class Shutdown(_Msg):
+class Shutdown(WireModel):
     """Stop the worker process cleanly."""
 
     type: Literal["shutdown"] = "shutdown"
@@ -444,7 +455,7 @@ class Shutdown(_Msg):
 # --- control plane: services ----------------------------------------------------
 
 
-class ServiceHello(_Msg):
+class ServiceHello(WireModel):
     """A planner or profiler service announcing itself (and staying alive)."""
 
     type: Literal["service_hello"] = "service_hello"
@@ -453,7 +464,7 @@ class ServiceHello(_Msg):
     host: str = ""
 
 
-class ProfileRequest(_Msg):
+class ProfileRequest(WireModel):
     """Profile `model` as a worker with this fingerprint runs it, unless cached.
 
     A profiler accepts only when its own fingerprint for (`threads`,
@@ -471,7 +482,7 @@ class ProfileRequest(_Msg):
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
 
 
-class ProfileReply(_Msg):
+class ProfileReply(WireModel):
     """The profile is in Redis under `profile:<key>`; or `error` (`mine` False: wrong device)."""
 
     type: Literal["profile_reply"] = "profile_reply"
@@ -484,7 +495,7 @@ class ProfileReply(_Msg):
     seconds: float = 0.0
 
 
-class SubmitJob(_Msg):
+class SubmitJob(WireModel):
     """A person (through the CLI) asks the coordinator to run a job."""
 
     type: Literal["submit_job"] = "submit_job"
@@ -492,7 +503,7 @@ class SubmitJob(_Msg):
     replace: bool = Field(False, description="Start afresh if a finished job has this id.")
 
 
-class CancelJob(_Msg):
+class CancelJob(WireModel):
     """Stop a submitted or running job; its last committed checkpoint stays."""
 
     type: Literal["cancel_job"] = "cancel_job"
@@ -500,7 +511,7 @@ class CancelJob(_Msg):
     reason: str = Field("cancelled by request", max_length=500)
 
 
-class DrainDevice(_Msg):
+class DrainDevice(WireModel):
     """Move a device's work away at the next round boundary (nothing replayed), then let it go."""
 
     type: Literal["drain_device"] = "drain_device"
@@ -511,7 +522,7 @@ class DrainDevice(_Msg):
     reason: str = Field("drained by request", max_length=500)
 
 
-class JobReply(_Msg):
+class JobReply(WireModel):
     """The coordinator's answer to SubmitJob or CancelJob."""
 
     type: Literal["job_reply"] = "job_reply"
@@ -520,7 +531,7 @@ class JobReply(_Msg):
     error: str = ""
 
 
-class PlanRequest(_Msg):
+class PlanRequest(WireModel):
     """Ask the planner for a plan of `job_id`; it stores the plan in Redis."""
 
     type: Literal["plan_request"] = "plan_request"
@@ -535,7 +546,7 @@ class PlanRequest(_Msg):
     )
 
 
-class PlanReply(_Msg):
+class PlanReply(WireModel):
     """The planner's answer: the plan is in Redis under `plan:<job_id>`, or `error`."""
 
     type: Literal["plan_reply"] = "plan_reply"
@@ -551,7 +562,7 @@ class PlanReply(_Msg):
 # --- data plane: worker -> worker -------------------------------------------
 
 
-class _SampleRange(_Msg):
+class _SampleRange(WireModel):
     """Samples [lo, hi) of micro-batch `mb` of a round, addressed to `stage`."""
 
     epoch: int
@@ -581,7 +592,7 @@ class Gradient(_SampleRange):
     type: Literal["gradient"] = "gradient"
 
 
-class LayerState(_Msg):
+class LayerState(WireModel):
     """One layer's state (weights, buffers, optimizer state) at `version`.
 
     Frames: one uint8 tensor, the layer's safetensors blob (parsed, never
@@ -598,7 +609,7 @@ class LayerState(_Msg):
     end: int = Field(0, ge=0)
 
 
-class ReduceChunk(_Msg):
+class ReduceChunk(WireModel):
     """One chunk of a ring all-reduce step inside a stage's group. Frames: the chunk."""
 
     type: Literal["reduce_chunk"] = "reduce_chunk"
@@ -612,7 +623,7 @@ class ReduceChunk(_Msg):
 # --- bandwidth probe: worker -> a peer's bandwidth sink ------------------------------
 
 
-class LinkHello(_Msg):
+class LinkHello(WireModel):
     """A prober announces probe `probe`: `count` messages of `nbytes` follow."""
 
     type: Literal["link_hello"] = "link_hello"
@@ -621,7 +632,7 @@ class LinkHello(_Msg):
     nbytes: int = Field(ge=1, le=MAX_LINK_MESSAGE_BYTES)
 
 
-class LinkReady(_Msg):
+class LinkReady(WireModel):
     """The sink tracks probe `probe` now; the prober may stream."""
 
     type: Literal["link_ready"] = "link_ready"
@@ -630,7 +641,7 @@ class LinkReady(_Msg):
     nbytes: int = Field(ge=1, le=MAX_LINK_MESSAGE_BYTES)
 
 
-class LinkData(_Msg):
+class LinkData(WireModel):
     """Payload message `seq` of probe `probe`. Frames: one uint8 tensor of the announced size."""
 
     type: Literal["link_data"] = "link_data"
@@ -638,7 +649,7 @@ class LinkData(_Msg):
     seq: int = Field(ge=0, lt=MAX_LINK_COUNT)
 
 
-class LinkDone(_Msg):
+class LinkDone(WireModel):
     """The sink received all `count` messages of probe `probe`, `nbytes` bytes in all."""
 
     type: Literal["link_done"] = "link_done"
@@ -684,7 +695,17 @@ Message = Annotated[
     | LinkHello
     | LinkReady
     | LinkData
-    | LinkDone,
+    | LinkDone
+    | ServeModel
+    | InferRequest
+    | InferReply
+    | ProfileBlocks
+    | LoadShard
+    | RunInference
+    | BlocksProfiled
+    | ShardLoaded
+    | InferenceDone
+    | HmpTile,
     Field(discriminator="type"),
 ]
 

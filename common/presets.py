@@ -2,8 +2,8 @@
 
 Asteroid (MobiCom'24) evaluates on Jetson Nano, TX2 and Xavier NX boards grouped
 into four environments (its §6) over 100 Mbps and 1 Gbps links; Galaxy
-(INFOCOM'24) emulates heterogeneity with Jetson Nanos clocked at different
-levels. We have one kind of CPU core, not these boards, so a device is the
+(INFOCOM'24) runs on Jetson Nano CPUs in three frequency modes (its Tables II
+and III) over 125 Mbps links. We have one kind of CPU core, not these boards, so a device is the
 profiled core (taken as the reference kind) slowed by the ratio of peak
 throughputs: `slowdown(kind, reference)`.
 """
@@ -19,16 +19,21 @@ __all__ = [
     "DEVICE_KINDS",
     "ENVIRONMENTS",
     "GALAXY_ENVIRONMENTS",
+    "GALAXY_HOMOGENEOUS_BUDGET",
+    "GALAXY_LINK_BPS",
     "JETSON_NANO",
-    "JETSON_NANO_50",
-    "JETSON_NANO_75",
     "JETSON_TX2",
     "JETSON_XAVIER_NX",
     "LINK_SPEEDS_BPS",
+    "NANO_L",
+    "NANO_M",
+    "NANO_S",
     "DeviceKind",
+    "GalaxyDevice",
     "cluster_for",
     "device_kind",
     "environment",
+    "galaxy_devices",
     "slowdown",
 ]
 
@@ -41,7 +46,8 @@ class DeviceKind:
 
     Attributes:
         name: Human name, also the key of `DEVICE_KINDS`.
-        memory_bytes: Physical memory (shared by CPU and GPU on a Jetson).
+        memory_bytes: Physical memory (shared by CPU and GPU on a Jetson); for
+            Galaxy's Nano modes, the memory budget the paper gives them.
         tflops: Peak throughput in TFLOPS; only ratios between kinds are used.
         source: Citation of the figures.
         prefix: Stem of the device names `cluster_for` gives, e.g. "nano" -> "nano-0".
@@ -66,16 +72,25 @@ JETSON_NANO = DeviceKind("Jetson Nano", 4 * GiB, 0.472, _TABLE_1, "nano")
 JETSON_TX2 = DeviceKind("Jetson TX2", 8 * GiB, 1.33, _TABLE_1, "tx2")
 JETSON_XAVIER_NX = DeviceKind("Xavier NX", 8 * GiB, 1.69, _TABLE_1, "nx")
 
-# Galaxy (Ye et al., INFOCOM'24) builds its heterogeneous edge environments from
-# Jetson Nanos whose GPU clock is capped at different levels; we model them as
-# Nanos at 100%, 75% and 50% of the full clock (slowdowns 1.0, 1.33 and 2.0
-# relative to a full-clock Nano), with the Nano's memory.
-_GALAXY = "Galaxy (INFOCOM'24) edge environments: Jetson Nano at reduced GPU clock"
-JETSON_NANO_75 = DeviceKind("Jetson Nano @75%", 4 * GiB, 0.472 * 0.75, _GALAXY, "nano75")
-JETSON_NANO_50 = DeviceKind("Jetson Nano @50%", 4 * GiB, 0.472 * 0.50, _GALAXY, "nano50")
+# Galaxy (Ye et al., INFOCOM'24) runs on Jetson Nanos' quad-core Cortex-A53 CPUs
+# (not their GPUs) in three CPU frequency modes, Table II: Nano-S 403 MHz, Nano-M
+# 825 MHz, Nano-L 1.47 GHz. Peak fp32 is 4 cores x clock x 8 FLOP/cycle (NEON
+# FMA on 4 lanes), so the speed ratios are the clock ratios, 1 : 0.56 : 0.27.
+# Memory is the paper's per-device budget (§IV-A; "GB" read as GiB, as the
+# Nano's 4 GB is above): 1.5 / 1.2 / 0.7 GiB in the heterogeneous environments.
+_GALAXY = "Galaxy (INFOCOM'24) Table II (CPU frequency modes) and §IV-A (memory budgets)"
+
+
+def _nano_cpu_tflops(clock_ghz: float) -> float:
+    return 4 * clock_ghz * 8 / 1000
+
+
+NANO_L = DeviceKind("Nano-L", int(1.5 * GiB), _nano_cpu_tflops(1.47), _GALAXY, "nano-l")
+NANO_M = DeviceKind("Nano-M", int(1.2 * GiB), _nano_cpu_tflops(0.825), _GALAXY, "nano-m")
+NANO_S = DeviceKind("Nano-S", int(0.7 * GiB), _nano_cpu_tflops(0.403), _GALAXY, "nano-s")
 
 DEVICE_KINDS: dict[str, DeviceKind] = {
-    k.name: k for k in (JETSON_NANO, JETSON_TX2, JETSON_XAVIER_NX, JETSON_NANO_75, JETSON_NANO_50)
+    k.name: k for k in (JETSON_NANO, JETSON_TX2, JETSON_XAVIER_NX, NANO_L, NANO_M, NANO_S)
 }
 """Every known kind by name."""
 
@@ -88,15 +103,41 @@ ENVIRONMENTS: dict[str, tuple[tuple[str, int], ...]] = {
 }
 """Asteroid's environments: (kind name, count) per kind."""
 
-# Galaxy's heterogeneous environments, named apart from Asteroid's "D". The
-# mix of clock levels per environment is ours (two, three and four Nanos
-# covering the three levels), not copied from the paper's table.
+# Galaxy's Table III, named apart from Asteroid's A-D: A-C homogeneous, D-F not.
 GALAXY_ENVIRONMENTS: dict[str, tuple[tuple[str, int], ...]] = {
-    "Galaxy-D": (("Jetson Nano", 1), ("Jetson Nano @75%", 1)),
-    "Galaxy-E": (("Jetson Nano", 1), ("Jetson Nano @75%", 1), ("Jetson Nano @50%", 1)),
-    "Galaxy-F": (("Jetson Nano", 2), ("Jetson Nano @75%", 1), ("Jetson Nano @50%", 1)),
+    "Galaxy-A": (("Nano-M", 2),),
+    "Galaxy-B": (("Nano-M", 3),),
+    "Galaxy-C": (("Nano-M", 4),),
+    "Galaxy-D": (("Nano-L", 1), ("Nano-M", 1)),
+    "Galaxy-E": (("Nano-L", 1), ("Nano-S", 1)),
+    "Galaxy-F": (("Nano-L", 1), ("Nano-M", 1), ("Nano-S", 1)),
 }
-"""Galaxy-style environments: Jetson Nanos at three clock levels."""
+"""Galaxy's environments (Table III): (kind name, count) per kind, fastest first."""
+
+GALAXY_HOMOGENEOUS_BUDGET = int(1.5 * GiB)
+"""Nano-M's memory budget in Galaxy's homogeneous environments A-C (§IV-A)."""
+
+GALAXY_LINK_BPS = 125e6
+"""The intra-cluster bandwidth of Galaxy's main comparisons (§IV-B, §IV-C), bits/s."""
+
+
+@dataclass(frozen=True)
+class GalaxyDevice:
+    """One device of a Galaxy environment as the planner and emulator see it.
+
+    Attributes:
+        name: Device name, kind prefix and index ("nano-l-0").
+        kind: Its CPU frequency mode.
+        slowdown: Times slower than a Nano-L for the same work.
+        budget_bytes: Its memory budget, scaled as asked.
+
+    """
+
+    name: str
+    kind: DeviceKind
+    slowdown: float
+    budget_bytes: int
+
 
 LINK_SPEEDS_BPS: tuple[float, ...] = (100e6, 1e9)
 """The link speeds Asteroid evaluates under, in bits per second."""
@@ -119,6 +160,40 @@ def environment(env: str) -> tuple[tuple[DeviceKind, int], ...]:
         known = [*ENVIRONMENTS, *GALAXY_ENVIRONMENTS]
         raise ConfigError(f"unknown environment {env!r}; known: {', '.join(known)}")
     return tuple((device_kind(name), count) for name, count in spec)
+
+
+def _memory_in(env: str, kind: DeviceKind) -> int:
+    """A kind's memory in `env`: Galaxy gives Nano-M more in its homogeneous environments."""
+    homogeneous = len(GALAXY_ENVIRONMENTS.get(env, ())) == 1
+    return GALAXY_HOMOGENEOUS_BUDGET if homogeneous and kind is NANO_M else kind.memory_bytes
+
+
+def galaxy_devices(env: str, memory_scale: float = 1.0) -> tuple[GalaxyDevice, ...]:
+    """The devices of Galaxy environment `env` ("Galaxy-A".."Galaxy-F"), fastest first.
+
+    Slowdowns are relative to a Nano-L; `memory_scale` multiplies each budget, so
+    a small model can be planned against proportionally small devices.
+
+    Raises:
+        ConfigError: If `env` is not a Galaxy environment or the scale is not positive.
+
+    """
+    if env not in GALAXY_ENVIRONMENTS:
+        raise ConfigError(
+            f"unknown Galaxy environment {env!r}; known: {', '.join(GALAXY_ENVIRONMENTS)}"
+        )
+    if not memory_scale > 0:
+        raise ConfigError(f"memory_scale must be positive, got {memory_scale}")
+    return tuple(
+        GalaxyDevice(
+            name=f"{kind.prefix}-{i}",
+            kind=kind,
+            slowdown=slowdown(kind, NANO_L),
+            budget_bytes=max(1, int(_memory_in(env, kind) * memory_scale)),
+        )
+        for kind, count in environment(env)
+        for i in range(count)
+    )
 
 
 def slowdown(kind: DeviceKind, reference: DeviceKind) -> float:
@@ -157,7 +232,7 @@ def cluster_for(
     devices = [
         DeviceSpec(
             name=f"{kind.prefix}-{i}",
-            memory_bytes=max(1, int(kind.memory_bytes * memory_scale)),
+            memory_bytes=max(1, int(_memory_in(env, kind) * memory_scale)),
             profile=profile_key,
             slowdown=slowdown(kind, ref),
         )

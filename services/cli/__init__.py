@@ -23,6 +23,7 @@ from services.cli import deploy as deploy_cmd
 from services.cli import jobs, keys, local, metrics
 from services.cli import join as join_cmd
 from services.cli import plan as plan_cmd
+from services.cli import serve as serve_cmd
 from services.cli import testbed as testbed_cmd
 from services.cli.example_files import examples
 
@@ -69,6 +70,8 @@ app.command()(local.demo)
 app.command()(examples)
 app.command()(local.up)
 app.command()(jobs.train)
+app.command()(serve_cmd.serve)
+app.command()(serve_cmd.infer)
 app.command()(plan_cmd.plan)
 app.command()(jobs.status)
 app.command()(jobs.cancel)

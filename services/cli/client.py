@@ -10,28 +10,39 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
-from common.codec import Limits, recv_message, send_message
+from common.codec import Envelope, Limits, recv_message, send_message
 from common.curve import COORDINATOR, load_keys
 from common.errors import AsteroidError, ProtocolError
 from common.messages import JobReply, Message
 from common.sockets import connect_dealer
 
-__all__ = ["CoordinatorUnreachable", "ask_coordinator"]
+__all__ = ["CoordinatorUnreachable", "RequestRefused", "ask_coordinator", "request"]
 
 
 class CoordinatorUnreachable(AsteroidError):
     """No reply from the coordinator in time."""
 
 
-def ask_coordinator(address: str, msg: Message, timeout_s: float = 15.0) -> JobReply:
-    """Send `msg` to the coordinator at `address` and return its JobReply.
+class RequestRefused(AsteroidError):
+    """The coordinator answered a request with a refusal instead of the answer awaited."""
 
-    With ASTEROID_KEYS set (the key set holding this operator's one secret
-    key), the request goes over CURVE as that operator, identity NAME/SESSION.
+
+def ask_coordinator(address: str, msg: Message, timeout_s: float = 15.0) -> JobReply:
+    """Send `msg` to the coordinator at `address` and return its JobReply."""
+    return cast(JobReply, request(address, msg, JobReply, timeout_s).msg)
+
+
+def request(address: str, msg: Message, answer: type[Message], timeout_s: float = 15.0) -> Envelope:
+    """Send `msg` to the coordinator at `address`; the first reply of kind `answer`.
+
+    The whole envelope comes back, so an answer's tensor frames (an inference's
+    logits) come with it. With ASTEROID_KEYS set (the key set holding this
+    operator's one secret key), the request goes over CURVE as that operator,
+    identity NAME/SESSION.
     """
     limits = Limits()
     keys_dir = os.environ.get("ASTEROID_KEYS")
@@ -53,8 +64,10 @@ def ask_coordinator(address: str, msg: Message, timeout_s: float = 15.0) -> JobR
                 _, env = recv_message(sock, limits)
             except ProtocolError:
                 continue
-            if isinstance(env.msg, JobReply):
-                return env.msg
+            if isinstance(env.msg, answer):
+                return env
+            if isinstance(env.msg, JobReply) and not env.msg.ok:  # refused before any answer
+                raise RequestRefused(f"the coordinator refused the {msg.type}: {env.msg.error}")
         raise CoordinatorUnreachable(
             f"no coordinator answered at {address} within {timeout_s:.0f} s "
             "(is asteroid-coordinator running there? see --coordinator)"

@@ -54,6 +54,7 @@ from common.messages import (
 from common.plan import Plan
 from common.profile import ClusterSpec
 from common.secrets import mask_text
+from common.serving_messages import InferReply, InferRequest, ServeModel, ServeSpec
 from common.settings import CoordinatorSettings
 from common.sockets import bind_router
 from common.store import OUTAGE, Store
@@ -87,6 +88,7 @@ from services.coordinator.membership import (
     heard,
     on_probe_reply,
 )
+from services.coordinator.serving import MAX_QUEUED, PendingRequest, ServeRun
 from services.coordinator.versions import forget_versions, note_version
 
 __all__ = ["Coordinator", "JobCancelled", "JobFailed", "JobSummary"]
@@ -95,7 +97,7 @@ log = get_logger(__name__)
 T = TypeVar("T")
 NAME = "coordinator"
 PLANNER = "planner"
-_CLIENT_REQUESTS = ("submit_job", "cancel_job", "drain_device")
+_CLIENT_REQUESTS = ("submit_job", "cancel_job", "drain_device", "serve_model", "infer_request")
 """Requests whose sender is told why a malformed one was refused."""
 PUMP_MAX_MESSAGES = 500
 """Most messages one `pump` call handles before its caller looks at its deadlines again."""
@@ -117,12 +119,17 @@ SENDER_ROLES = {
     "probe_reply": "worker",
     "replica_saved": "worker",
     "links_measured": "worker",
+    "blocks_profiled": "worker",
+    "shard_loaded": "worker",
+    "inference_done": "worker",
     "service_hello": "service",
     "plan_reply": "service",
     "profile_reply": "service",
     "submit_job": "operator",
     "cancel_job": "operator",
     "drain_device": "operator",
+    "serve_model": "operator",
+    "infer_request": "operator",
 }
 """The key role that may send each message type to the coordinator (with CURVE)."""
 ANY_ROLE = ("locate_redis",)
@@ -201,7 +208,10 @@ class Coordinator:
         self._next_link_nonce = 1
         self.bad_messages = 0
         self.services: dict[str, float] = {}
-        self.queue: deque[tuple[JobSpec, int]] = deque()
+        self.queue: deque[tuple[JobSpec | ServeSpec, int]] = deque()
+        """Jobs waiting to run, training (with their rounds) and serving, in arrival order."""
+        self.infer_queue: deque[PendingRequest] = deque()
+        """Inference requests for the running serving job, waiting their turn."""
         self.running: str | None = None
         self.cancelled: dict[str, str] = {}
         self.drains: dict[DeviceId, str] = {}
@@ -319,7 +329,7 @@ class Coordinator:
             elif (why := role_refusal(env.user, env.msg.type)) is not None:
                 self.bad_messages += 1
                 log.warning("dropped message outside its key's role", peer=peer, reason=why)
-                if isinstance(env.msg, SubmitJob | CancelJob | DrainDevice):  # say so
+                if env.msg.type in _CLIENT_REQUESTS:  # say so
                     self.send(DeviceId(peer), JobReply(job_id="", ok=False, error=why))
             elif isinstance(env.msg, Heartbeat):
                 self._heartbeat(env.msg)
@@ -336,6 +346,10 @@ class Coordinator:
                 self.services[env.msg.service] = time.monotonic()
             elif isinstance(env.msg, SubmitJob | CancelJob | DrainDevice):
                 self._client(peer, env.msg)
+            elif isinstance(env.msg, ServeModel):
+                self._on_serve(peer, env.msg)
+            elif isinstance(env.msg, InferRequest):
+                self._on_infer(peer, env.msg)
             elif isinstance(env.msg, LinksMeasured):
                 self._links_measured(env.msg)
             else:
@@ -721,7 +735,10 @@ class Coordinator:
             job, total = self.queue.popleft()
             summary = None
             try:
-                summary = JobRun(self, job, total).run()
+                if isinstance(job, ServeSpec):
+                    ServeRun(self, job).run()
+                else:
+                    summary = JobRun(self, job, total).run()
             except AsteroidError as exc:
                 log.error("job ended", job=job.job_id, error=str(exc))
             except Exception as exc:  # one job's unforeseen error ends that job, not the service
@@ -829,6 +846,42 @@ class Coordinator:
             return
         log.info("job submitted", job=jid, by=peer)
         self.send(DeviceId(peer), JobReply(job_id=jid, ok=True))
+
+    def _on_serve(self, peer: str, msg: ServeModel) -> None:
+        """Queue a serving job, recorded like a training job (`kind: serve`)."""
+        jid = msg.spec.serve_id
+        try:
+            state = self.store.get_fields("job", jid).get("state")
+            if state in ACTIVE or any(q.job_id == jid for q, _ in self.queue):
+                raise ConfigError(f"serve_id: job {jid} is already {state or 'queued'}")
+            self.store.put_json(msg.spec.model_dump(mode="json"), "jobspec", jid)
+            self.store.set_fields(
+                {"state": "submitted", "submitted": time.time(), "kind": "serve"}, "job", jid
+            )
+            self.store.r.zadd(self.store.key("jobs"), {jid: time.time()})
+        except ConfigError as exc:
+            self.send(DeviceId(peer), JobReply(job_id=jid, ok=False, error=str(exc)))
+            return
+        except OUTAGE as exc:
+            error = f"Redis at {self.store.where} is unreachable ({mask_text(str(exc))})"
+            self.send(DeviceId(peer), JobReply(job_id=jid, ok=False, error=error))
+            return
+        self.queue.append((msg.spec, 0))
+        log.info("serving job submitted", job=jid, by=peer)
+        self.send(DeviceId(peer), JobReply(job_id=jid, ok=True))
+
+    def _on_infer(self, peer: str, msg: InferRequest) -> None:
+        """Queue a request for the running serving job; refuse it at once if it cannot wait."""
+        error = ""
+        if self.running != msg.serve_id:
+            error = f"no serving job {msg.serve_id} is running here (running: {self.running})"
+        elif len(self.infer_queue) >= MAX_QUEUED:
+            error = f"{MAX_QUEUED} requests already wait for {msg.serve_id}; try again later"
+        if error:
+            reply = InferReply(serve_id=msg.serve_id, request=0, ok=False, error=error)
+            self.send(DeviceId(peer), reply)
+            return
+        self.infer_queue.append(PendingRequest(DeviceId(peer), msg, time.monotonic()))
 
     def _on_cancel(self, peer: str, msg: CancelJob) -> None:
         jid = msg.job_id  # matched the job-id pattern when the message was decoded

@@ -62,6 +62,7 @@ from common.messages import (
     Shutdown,
     WorkerError,
 )
+from common.serving_messages import LoadShard, ProfileBlocks, RunInference
 from common.settings import WorkerSettings
 from common.store import Store
 from common.version import VERSION
@@ -72,6 +73,7 @@ from services.worker.faults import FailAt
 from services.worker.holdings import HeldLayer, Holdings, ReplicaSource
 from services.worker.links import LinkProber
 from services.worker.pool import TaskPool
+from services.worker.serving import Serving
 from services.worker.stage import StageRunner, blob_tensor
 from services.worker.transport import Dispatcher, Receiver
 
@@ -128,6 +130,16 @@ class Worker:
         self.link_addr = f"tcp://{host}:{self.sink.endpoint.rsplit(':', 1)[1]}"
         self.dispatcher = Dispatcher(self.ctx, self.device, keys)
         self.bulk = Dispatcher(self.ctx, self.device, keys, session="bulk")
+        self.stopping = threading.Event()
+        self.serving = Serving(
+            self.ctx,
+            self.device,
+            keys,
+            settings.pool_max_bytes,
+            settings.task_timeout_s,
+            lambda: "the worker is stopping" if self.stopping.is_set() else None,
+        )
+        self.receiver.tiles = self.serving.inbox
         self.control = ControlLink(
             self.ctx,
             settings.coordinator,
@@ -145,7 +157,6 @@ class Worker:
         self._zoo: tuple[str, ZooModel] | None = None
         """The job's model last built here, by its (model, seed) key."""
         self.state = "idle"
-        self.stopping = threading.Event()
         self.fail_at = FailAt.parse(settings.fail_at)
         # The worker's own Redis URL and credentials (its per-role ACL user), never the
         # coordinator's: assignments name no Redis. redis-py connects on first use.
@@ -183,6 +194,7 @@ class Worker:
         self.sink.start()
         self.dispatcher.start()
         self.bulk.start()
+        self.serving.dispatcher.start()
         self.control.start()
         log.info(
             "worker started",
@@ -231,6 +243,14 @@ class Worker:
                 self._hand_over(msg)
             elif isinstance(msg, MeasureLinks):
                 self.prober.start(msg)  # probes beside the stage; answers when done
+            elif isinstance(msg, ProfileBlocks):
+                self.control.send(self.serving.profile(msg))
+            elif isinstance(msg, LoadShard):
+                self.control.send(self.serving.load(msg))
+            elif isinstance(msg, RunInference):
+                done = self.serving.run(msg)
+                if done is not None:
+                    self.control.send(done)
             elif isinstance(msg, Shutdown):
                 log.info("shutdown requested", reason=msg.reason)
                 self.stopping.set()
@@ -507,7 +527,15 @@ class Worker:
             self.prober.join(timeout_s=1.0)
             self.dispatcher.close()
             self.bulk.close()
-            threads = (self.receiver, self.dispatcher, self.bulk, self.control, self.sink)
+            self.serving.close()
+            threads = (
+                self.receiver,
+                self.dispatcher,
+                self.bulk,
+                self.serving.dispatcher,
+                self.control,
+                self.sink,
+            )
             for thread in threads:
                 if thread.is_alive():
                     thread.join(timeout=5)

@@ -26,9 +26,11 @@ from common.curve import CurveKeys
 from common.errors import ConfigError, ProtocolError
 from common.logging import get_logger
 from common.messages import Activation, Gradient, LayerState, Message, ReduceChunk
+from common.serving_messages import HmpTile
 from common.sockets import bind_router, connect_dealer
 from services.worker.holdings import Holdings
 from services.worker.pool import TaskPool
+from services.worker.tiles import TileInbox
 
 __all__ = ["Dispatcher", "Receiver"]
 
@@ -46,9 +48,11 @@ class Receiver(threading.Thread):
         pool: TaskPool,
         keys: CurveKeys | None = None,
         holdings: Holdings | None = None,
+        tiles: TileInbox | None = None,
     ) -> None:
         super().__init__(name="receiver", daemon=True)
         self.holdings = holdings
+        self.tiles = tiles
         # with keys: a CURVE server with this worker's own pair, admitting worker keys only
         self.sock, self.endpoint = bind_router(ctx, bind, limits, keys=keys, roles=("worker",))
         self.limits = limits
@@ -92,6 +96,8 @@ class Receiver(threading.Thread):
             why = self.pool.put_chunk(msg, env.tensors[0], peer)
         elif isinstance(msg, LayerState) and self.holdings is not None and _one_blob(env):
             why = self.holdings.put(msg, env.tensors[0].numpy().tobytes(), peer)
+        elif isinstance(msg, HmpTile) and self.tiles is not None and len(env.tensors) == 1:
+            why = self.tiles.put(msg, env.tensors[0], peer)
         else:
             why = f"unexpected {msg.type} with {len(env.tensors)} tensors on the data plane"
         if why:

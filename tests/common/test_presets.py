@@ -7,13 +7,19 @@ from common.presets import (
     DEVICE_KINDS,
     ENVIRONMENTS,
     GALAXY_ENVIRONMENTS,
+    GALAXY_HOMOGENEOUS_BUDGET,
+    GALAXY_LINK_BPS,
     JETSON_NANO,
     JETSON_TX2,
     JETSON_XAVIER_NX,
     LINK_SPEEDS_BPS,
+    NANO_L,
+    NANO_M,
+    NANO_S,
     cluster_for,
     device_kind,
     environment,
+    galaxy_devices,
     slowdown,
 )
 from common.profile import ClusterSpec
@@ -37,10 +43,53 @@ def test_slowdown_is_the_ratio_of_peak_throughputs():
     assert slowdown(JETSON_XAVIER_NX, JETSON_NANO) == pytest.approx(0.472 / 1.69)
 
 
-def test_galaxy_clock_levels_slow_a_nano_by_1_4_3_and_2():
-    levels = [device_kind(n) for n in ("Jetson Nano", "Jetson Nano @75%", "Jetson Nano @50%")]
-    assert [slowdown(k, JETSON_NANO) for k in levels] == pytest.approx([1.0, 4 / 3, 2.0])
-    assert all(k.memory_bytes == JETSON_NANO.memory_bytes for k in levels)
+def test_galaxy_cpu_modes_are_the_clock_ratios_of_table_ii():
+    modes = [device_kind(n) for n in ("Nano-L", "Nano-M", "Nano-S")]
+    assert modes == [NANO_L, NANO_M, NANO_S]
+    ratios = [1 / slowdown(k, NANO_L) for k in modes]
+    assert ratios == pytest.approx([1.0, 0.825 / 1.47, 0.403 / 1.47])
+    assert ratios == pytest.approx([1.0, 0.56, 0.27], abs=0.005)
+    # four A53 cores x 8 fp32 FLOP per cycle at 1.47 GHz
+    assert NANO_L.tflops == pytest.approx(4 * 1.47e9 * 8 / 1e12)
+    assert [k.memory_bytes for k in modes] == [int(1.5 * GiB), int(1.2 * GiB), int(0.7 * GiB)]
+    assert all("Table II" in k.source for k in modes)
+
+
+@pytest.mark.parametrize(
+    ("env", "kinds"),
+    [
+        ("Galaxy-A", ["Nano-M"] * 2),
+        ("Galaxy-B", ["Nano-M"] * 3),
+        ("Galaxy-C", ["Nano-M"] * 4),
+        ("Galaxy-D", ["Nano-L", "Nano-M"]),
+        ("Galaxy-E", ["Nano-L", "Nano-S"]),
+        ("Galaxy-F", ["Nano-L", "Nano-M", "Nano-S"]),
+    ],
+)
+def test_galaxy_environments_are_table_iii(env, kinds):
+    assert [k.name for k, n in environment(env) for _ in range(n)] == kinds
+    assert [d.kind.name for d in galaxy_devices(env)] == kinds
+
+
+def test_galaxy_devices_slowdowns_and_budgets():
+    f = galaxy_devices("Galaxy-F")
+    assert [d.name for d in f] == ["nano-l-0", "nano-m-0", "nano-s-0"]
+    assert [d.slowdown for d in f] == pytest.approx([1.0, 1.47 / 0.825, 1.47 / 0.403])
+    assert [d.budget_bytes for d in f] == [int(1.5 * GiB), int(1.2 * GiB), int(0.7 * GiB)]
+    # the homogeneous environments give Nano-M 1.5 GB (§IV-A)
+    a = galaxy_devices("Galaxy-C")
+    assert [d.name for d in a] == ["nano-m-0", "nano-m-1", "nano-m-2", "nano-m-3"]
+    assert {d.budget_bytes for d in a} == {GALAXY_HOMOGENEOUS_BUDGET} == {int(1.5 * GiB)}
+    assert [d.slowdown for d in a] == pytest.approx([1.47 / 0.825] * 4)
+    half = galaxy_devices("Galaxy-E", memory_scale=0.5)
+    assert [d.budget_bytes for d in half] == [int(1.5 * GiB) // 2, int(0.7 * GiB * 0.5)]
+    assert GALAXY_LINK_BPS == 125e6
+
+
+@pytest.mark.parametrize(("env", "scale"), [("A", 1.0), ("Galaxy-Z", 1.0), ("Galaxy-A", 0.0)])
+def test_galaxy_devices_rejects_bad_input(env, scale):
+    with pytest.raises(ConfigError, match=r"unknown Galaxy environment|memory_scale"):
+        galaxy_devices(env, memory_scale=scale)
 
 
 @pytest.mark.parametrize(
@@ -95,9 +144,12 @@ def test_cluster_for_other_reference_and_link_speeds():
     assert LINK_SPEEDS_BPS == (100e6, 1e9)
 
 
-def test_cluster_for_galaxy_names_clock_levels_apart():
-    names = [d.name for d in cluster_for("Galaxy-F", 1e9, "p", reference="Jetson Nano").devices]
-    assert names == ["nano-0", "nano-1", "nano75-0", "nano50-0"]
+def test_cluster_for_galaxy_names_cpu_modes_apart():
+    cluster = cluster_for("Galaxy-F", GALAXY_LINK_BPS, "p", reference="Nano-L")
+    assert [d.name for d in cluster.devices] == ["nano-l-0", "nano-m-0", "nano-s-0"]
+    assert cluster.bandwidth == pytest.approx(125e6 / 8)
+    homogeneous = cluster_for("Galaxy-B", GALAXY_LINK_BPS, "p", reference="Nano-L")
+    assert {d.memory_bytes for d in homogeneous.devices} == {int(1.5 * GiB)}
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,226 @@
+"""The pieces of a Transformer layer that hybrid model parallelism splits.
+
+Galaxy (§III-B) cuts each layer into an MHA block and an MLP block, split by
+heads and MLP columns across devices, and the connective blocks around them
+(residual add, bias, LayerNorm), split by sequence rows. Every function here is
+one such piece for a single request: hidden states are `(t, hidden)` rows.
+The row-wise ones act on any subset of rows, and `out_partial` /
+`mlp_down_partial` summed over a partition of heads / columns give the full
+block, so a distributed executor needs nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from common.errors import ConfigError
+from common.galaxy.config import TransformerConfig, layer_key
+
+__all__ = [
+    "after_attention",
+    "after_mlp",
+    "attend",
+    "attention_input",
+    "embed",
+    "head",
+    "mlp_down_partial",
+    "mlp_up",
+    "out_partial",
+    "qkv",
+]
+
+
+def _get(w: Mapping[str, Tensor], key: str) -> Tensor:
+    """Look a tensor up so that a missing one is a ConfigError naming it, not a KeyError."""
+    try:
+        return w[key]
+    except KeyError:
+        raise ConfigError(f"weights lack tensor {key!r}") from None
+
+
+def _lw(w: Mapping[str, Tensor], layer: int, name: str) -> Tensor:
+    return _get(w, layer_key(layer, name))
+
+
+def _layer_norm(x: Tensor, w: Mapping[str, Tensor], prefix: str, eps: float) -> Tensor:
+    weight = _get(w, f"{prefix}.weight")
+    return F.layer_norm(x, (x.shape[-1],), weight, _get(w, f"{prefix}.bias"), eps)
+
+
+def _check_heads(heads: range, config: TransformerConfig) -> None:
+    """Refuse a head range that is not contiguous or leaves the model (empty is allowed)."""
+    if heads.step != 1 or (len(heads) and (heads.start < 0 or heads.stop > config.heads)):
+        raise ConfigError(f"heads must be a step-1 range within [0, {config.heads}), got {heads}")
+
+
+def _cols(cols: range, ffn: int) -> slice:
+    """Columns `cols` as a slice; a device with no share gets an empty one."""
+    if cols.step != 1 or (len(cols) and (cols.start < 0 or cols.stop > ffn)):
+        raise ConfigError(f"MLP columns must be a step-1 range within [0, {ffn}), got {cols}")
+    return slice(cols.start, cols.start + len(cols))
+
+
+def embed(
+    ids: Tensor, w: Mapping[str, Tensor], config: TransformerConfig, offset: int = 0
+) -> Tensor:
+    """Token plus position embeddings of `ids` at positions `offset..offset+t-1`.
+
+    The encoder normalises the sum (BERT); the decoder does not (GPT-2).
+
+    Raises:
+        ConfigError: If `ids` is not 1-D, a position passes `max_positions`, or an id
+            is outside the vocabulary.
+
+    """
+    if ids.dim() != 1:
+        raise ConfigError(f"ids must be 1-D (t,), got shape {tuple(ids.shape)}")
+    t = ids.shape[0]
+    if offset < 0 or offset + t > config.max_positions:
+        raise ConfigError(
+            f"positions {offset}..{offset + t - 1} exceed max_positions "
+            f"{config.max_positions} (sequence of {offset + t} tokens)"
+        )
+    if t and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+        raise ConfigError(
+            f"token ids must be in [0, {config.vocab_size}), got "
+            f"[{int(ids.min())}, {int(ids.max())}]"
+        )
+    x = _get(w, "embed.token")[ids] + _get(w, "embed.position")[offset : offset + t]
+    if config.kind == "encoder":
+        x = _layer_norm(x, w, "embed.norm", config.ln_eps)
+    return x
+
+
+def attention_input(
+    x: Tensor, w: Mapping[str, Tensor], layer: int, config: TransformerConfig
+) -> Tensor:
+    """What the MHA block consumes from residual rows `x`: LN1(x) pre-LN, `x` post-LN."""
+    if config.pre_norm:
+        return _layer_norm(x, w, layer_key(layer, "ln1"), config.ln_eps)
+    return x
+
+
+def qkv(
+    x: Tensor, w: Mapping[str, Tensor], layer: int, heads: range, config: TransformerConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries, keys and values of heads `heads` for rows `x`, each `(len(heads), t, d)`.
+
+    Head `h` owns rows `[h*d, (h+1)*d)` of each projection, so a device computes
+    only its share. `config` supplies the head width, which the weights alone do not.
+    """
+    _check_heads(heads, config)
+    d = config.head_dim
+    rows = slice(heads.start * d, (heads.start + len(heads)) * d)
+    out: list[Tensor] = []
+    for name in ("q", "k", "v"):
+        y = F.linear(x, _lw(w, layer, f"{name}.weight")[rows], _lw(w, layer, f"{name}.bias")[rows])
+        out.append(y.view(x.shape[0], len(heads), d).transpose(0, 1))
+    return out[0], out[1], out[2]
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, q_offset: int) -> Tensor:
+    """Scaled dot-product attention; query row i sits at position `q_offset + i`, key j at j.
+
+    Plain matmul and softmax so every device computes the same function as the
+    reference. Returns the context `(tq, h * d)` with heads in order.
+    """
+    if q.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ConfigError(
+            f"attend needs q (h, tq, d) and k, v (h, tk, d) alike, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q_offset < 0:
+        raise ConfigError(f"q_offset must be >= 0, got {q_offset}")
+    h, tq, d = q.shape
+    scores = torch.matmul(q, k.transpose(1, 2)) / math.sqrt(d)
+    if causal:
+        q_pos = torch.arange(q_offset, q_offset + tq, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    context = torch.matmul(scores.softmax(dim=-1), v)
+    return context.transpose(0, 1).reshape(tq, h * d)
+
+
+def out_partial(context: Tensor, w: Mapping[str, Tensor], layer: int, heads: range) -> Tensor:
+    """One device's share of the output projection, `(t, hidden)`, without the bias.
+
+    Summing it over a partition of the heads gives the full projection; the bias is
+    added once, in `after_attention`.
+    """
+    weight = _lw(w, layer, "o.weight")
+    if len(heads) == 0:
+        return context.new_zeros(context.shape[0], weight.shape[0])
+    if heads.step != 1 or heads.start < 0 or context.shape[-1] % len(heads):
+        raise ConfigError(
+            f"context width {context.shape[-1]} must be a multiple of {len(heads)} heads "
+            f"given as a step-1 range, got {heads}"
+        )
+    d = context.shape[-1] // len(heads)
+    if heads.stop * d > weight.shape[1]:
+        raise ConfigError(f"heads {heads} of width {d} pass o.weight's {weight.shape[1]} columns")
+    return context @ weight[:, heads.start * d : heads.stop * d].T
+
+
+def after_attention(
+    x: Tensor, attn: Tensor, w: Mapping[str, Tensor], layer: int, config: TransformerConfig
+) -> tuple[Tensor, Tensor]:
+    """The connective block after MHA, row-wise: returns `(h, mlp_in)`.
+
+    `attn` is the sum of every device's `out_partial` rows. Post-LN (encoder):
+    `h = LN1(x + attn + o.bias)` and the MLP eats `h`; pre-LN (decoder):
+    `h = x + attn + o.bias` and the MLP eats `LN2(h)`.
+    """
+    h = x + attn + _lw(w, layer, "o.bias")
+    if config.pre_norm:
+        return h, _layer_norm(h, w, layer_key(layer, "ln2"), config.ln_eps)
+    h = _layer_norm(h, w, layer_key(layer, "ln1"), config.ln_eps)
+    return h, h
+
+
+def mlp_up(
+    x: Tensor, w: Mapping[str, Tensor], layer: int, cols: range, config: TransformerConfig
+) -> Tensor:
+    """GELU of MLP columns `cols` of the up projection, `(t, len(cols))`.
+
+    The encoder uses erf GELU (BERT), the decoder the tanh approximation (GPT-2).
+    """
+    sl = _cols(cols, config.ffn)
+    y = F.linear(x, _lw(w, layer, "up.weight")[sl], _lw(w, layer, "up.bias")[sl])
+    return F.gelu(y, approximate="tanh" if config.kind == "decoder" else "none")
+
+
+def mlp_down_partial(e: Tensor, w: Mapping[str, Tensor], layer: int, cols: range) -> Tensor:
+    """One device's share of the down projection, `(t, hidden)`, without the bias."""
+    weight = _lw(w, layer, "down.weight")
+    sl = _cols(cols, weight.shape[1])
+    return e @ weight[:, sl].T
+
+
+def after_mlp(
+    h: Tensor, mlp: Tensor, w: Mapping[str, Tensor], layer: int, config: TransformerConfig
+) -> Tensor:
+    """The connective block after the MLP: `LN2(h + mlp + down.bias)` post-LN, else no LN."""
+    y = h + mlp + _lw(w, layer, "down.bias")
+    if config.pre_norm:
+        return y
+    return _layer_norm(y, w, layer_key(layer, "ln2"), config.ln_eps)
+
+
+def head(x: Tensor, w: Mapping[str, Tensor], config: TransformerConfig) -> Tensor:
+    """The model's output from the last hidden rows.
+
+    Encoder: class logits `(num_classes,)` from the first row through BERT's pooler,
+    or the hidden states themselves when it does not classify. Decoder: LM logits
+    `(t, vocab)` through the tied token embedding.
+    """
+    if config.kind == "encoder":
+        if config.num_classes == 0:
+            return x
+        pooled = torch.tanh(F.linear(x[0], _get(w, "pool.weight"), _get(w, "pool.bias")))
+        return F.linear(pooled, _get(w, "classify.weight"), _get(w, "classify.bias"))
+    return _layer_norm(x, w, "final_norm", config.ln_eps) @ _get(w, "embed.token").T

@@ -1,0 +1,269 @@
+"""What a plan costs: per-request latency from block profiles, and memory per device.
+
+Latency follows Galaxy §III-C/D: each parallel block ends at a synchronisation
+point, so it takes as long as its slowest device (Eq. 4); ring collectives move
+one tile of `rows * hidden * 4` bytes per step for `D - 1` steps (an AllReduce
+is a ReduceScatter then an AllGather); with tile overlap each ring step runs
+under one tile's GEMM, so a step costs `max(tile GEMM, transfer)`. Memory is
+Eq. 5's left-hand side plus what every device holds besides its shards.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from common.errors import ConfigError
+from common.galaxy.config import TransformerConfig
+from common.galaxy.plan import InferencePlan
+
+__all__ = [
+    "BlockProfile",
+    "Prediction",
+    "device_memory_bytes",
+    "memory_bytes",
+    "predict",
+    "ring_step_s",
+]
+
+Points = tuple[tuple[int, float], ...]
+
+
+def _interpolate(points: Points, x: float) -> float:
+    """Piecewise-linear through (0, 0) and `points`, extended by the last segment's slope."""
+    xs = [0, *(p[0] for p in points)]
+    ys = [0.0, *(p[1] for p in points)]
+    i = min(max(bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class BlockProfile(BaseModel):
+    """Measured seconds of one device's blocks at a few partition sizes, for one seq_len.
+
+    The planner and cost model need a block's time at any share, so between the
+    measured sizes the time is interpolated linearly (and through 0 at 0).
+    `*_open` / `*_close` are the shares of a block's time spent in its first and
+    last GEMM: the parts tile overlap can hide ring steps under.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device: str
+    seq_len: int = Field(ge=1)
+    mha: Points = Field(description="(heads, seconds of the MHA block)")
+    mlp: Points = Field(description="(MLP columns, seconds of the MLP block)")
+    con: Points = Field(description="(rows, seconds of one connective block)")
+    mha_open: float = Field(0.5, ge=0.0, le=1.0, description="Share in the QKV GEMM.")
+    mha_close: float = Field(0.25, ge=0.0, le=1.0, description="Share in the output GEMM.")
+    mlp_open: float = Field(0.5, ge=0.0, le=1.0, description="Share in the up GEMM.")
+    mlp_close: float = Field(0.5, ge=0.0, le=1.0, description="Share in the down GEMM.")
+
+    @field_validator("mha", "mlp", "con")
+    @classmethod
+    def _increasing(cls, points: Points) -> Points:
+        """Interpolation needs sizes > 0, strictly increasing, with times >= 0."""
+        if not points:
+            raise ValueError("needs at least one (size, seconds) point, got none")
+        sizes = [p[0] for p in points]
+        if sizes[0] < 1 or any(b <= a for a, b in pairwise(sizes)):
+            raise ValueError(f"sizes must be >= 1 and strictly increasing, got {sizes}")
+        if any(p[1] < 0 for p in points):
+            raise ValueError(f"seconds must be >= 0, got {[p[1] for p in points]}")
+        return points
+
+    @model_validator(mode="after")
+    def _shares(self) -> BlockProfile:
+        """A block's first and last GEMM cannot take more than the whole block."""
+        for block in ("mha", "mlp"):
+            total = getattr(self, f"{block}_open") + getattr(self, f"{block}_close")
+            if total > 1.0 + 1e-9:
+                raise ValueError(f"{block}_open + {block}_close must be <= 1, got {total}")
+        return self
+
+    def mha_s(self, heads: float) -> float:
+        """Seconds of the MHA block for `heads` heads."""
+        return _interpolate(self.mha, heads)
+
+    def mlp_s(self, cols: float) -> float:
+        """Seconds of the MLP block for `cols` columns."""
+        return _interpolate(self.mlp, cols)
+
+    def con_s(self, rows: float) -> float:
+        """Seconds of one connective block for `rows` rows."""
+        return _interpolate(self.con, rows)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted seconds of one request, summed over layers.
+
+    Attributes:
+        mha_s: Straggler MHA time (Eq. 4).
+        mlp_s: Straggler MLP time.
+        con_s: Straggler time of the two connective blocks per layer.
+        comm_s: Ring communication time if nothing overlaps it.
+        hidden_s: Part of `comm_s` hidden under tile GEMMs (0 without overlap).
+        total_s: `mha_s + mlp_s + con_s + comm_s - hidden_s`.
+
+    """
+
+    mha_s: float
+    mlp_s: float
+    con_s: float
+    comm_s: float
+    hidden_s: float
+    total_s: float
+
+
+def ring_step_s(rows: float, hidden: int, bandwidth_bps: float) -> float:
+    """Seconds to pass one tile of `rows` fp32 rows to the next device in the ring."""
+    return rows * hidden * 4 * 8 / bandwidth_bps
+
+
+def _profiles_for(plan: InferencePlan, profiles: Mapping[str, BlockProfile]) -> list[BlockProfile]:
+    out = []
+    for name in plan.devices:
+        prof = profiles.get(name)
+        if prof is None:
+            raise ConfigError(f"no block profile for device {name!r}; have {sorted(profiles)}")
+        if prof.seq_len != plan.seq_len:
+            raise ConfigError(
+                f"profile of {name!r} is for seq_len {prof.seq_len}, plan has {plan.seq_len}"
+            )
+        out.append(prof)
+    return out
+
+
+def _overlapped(
+    open_s: float, mid_s: float, close_s: float, tiles: Sequence[float], d: int, step: float
+) -> float:
+    """One device's TP block with the AllGather before and ReduceScatter after overlapped.
+
+    §III-D: at AllGather step k device d multiplies tile (d - k) while passing it on
+    (no transfer at the last step); at ReduceScatter step k it multiplies tile
+    (d - 1 - k) while passing the previous partial sum on (none at the first step).
+    """
+    n = len(tiles)
+    gather = sum(max(open_s * tiles[(d - k) % n], step if k < n - 1 else 0.0) for k in range(n))
+    scatter = sum(max(close_s * tiles[(d - 1 - k) % n], step if k else 0.0) for k in range(n))
+    return gather + mid_s + scatter
+
+
+def predict(
+    plan: InferencePlan,
+    config: TransformerConfig,
+    profiles: Mapping[str, BlockProfile],
+    bandwidth_bps: float,
+) -> Prediction:
+    """Seconds one request takes under `plan`, from per-device block profiles.
+
+    Per layer: galaxy runs AllGather, MHA, ReduceScatter, connective, then the same
+    around the MLP; megatron an AllReduce after MHA and after MLP with replicated
+    connective blocks; sp two AllGathers (keys and values) with each device running
+    whole blocks on its rows (time scaled by rows / seq_len); local no communication.
+
+    Raises:
+        ConfigError: If the plan does not cover the model, a device has no profile
+            for the plan's seq_len, or the bandwidth is not positive.
+
+    """
+    plan.check(config)
+    if not bandwidth_bps > 0:
+        raise ConfigError(f"bandwidth must be positive bits/s, got {bandwidth_bps}")
+    profs = _profiles_for(plan, profiles)
+    n, t, hidden = len(plan.devices), plan.seq_len, config.hidden
+    if plan.mode == "sp":
+        mha = max(p.mha_s(config.heads) * r / t for p, r in zip(profs, plan.rows, strict=True))
+        mlp = max(p.mlp_s(config.ffn) * r / t for p, r in zip(profs, plan.rows, strict=True))
+    else:
+        mha = max(p.mha_s(a) for p, a in zip(profs, plan.heads, strict=True))
+        mlp = max(p.mlp_s(b) for p, b in zip(profs, plan.cols, strict=True))
+    con = 2 * max(p.con_s(r) for p, r in zip(profs, plan.rows, strict=True))
+    if n == 1:
+        comm, step = 0.0, 0.0
+    elif plan.mode == "megatron":
+        # an AllReduce of the (t, hidden) output in D even chunks is RS + AG: 2 (D-1) steps
+        step = ring_step_s(t / n, hidden, bandwidth_bps)
+        comm = 2 * 2 * (n - 1) * step
+    else:
+        # galaxy: 2 AllGather + 2 ReduceScatter; sp: 2 AllGather; a step moves the largest tile
+        step = ring_step_s(max(plan.rows), hidden, bandwidth_bps)
+        comm = (4 if plan.mode == "galaxy" else 2) * (n - 1) * step
+    hidden_s = 0.0
+    if plan.overlap and n > 1:
+        tiles = [r / t for r in plan.rows]
+        blocks = []
+        for kind, shares in (("mha", plan.heads), ("mlp", plan.cols)):
+            worst = 0.0
+            for d, (p, share) in enumerate(zip(profs, shares, strict=True)):
+                total = p.mha_s(share) if kind == "mha" else p.mlp_s(share)
+                o, c = getattr(p, f"{kind}_open") * total, getattr(p, f"{kind}_close") * total
+                worst = max(worst, _overlapped(o, total - o - c, c, tiles, d, step))
+            blocks.append(worst)
+        hidden_s = config.layers * max(0.0, mha + mlp + comm - sum(blocks))
+    layers = config.layers
+    total = layers * (mha + mlp + con + comm) - hidden_s
+    return Prediction(layers * mha, layers * mlp, layers * con, layers * comm, hidden_s, total)
+
+
+def _model_wide_params(config: TransformerConfig) -> int:
+    """Parameters every device holds whole: embeddings, LayerNorms and the output head."""
+    h = config.hidden
+    n = (config.vocab_size + config.max_positions) * h + config.layers * 4 * h
+    if config.kind == "encoder":
+        n += 2 * h
+        if config.num_classes:
+            n += h * h + h + config.num_classes * (h + 1)
+    else:
+        n += 2 * h
+    return n
+
+
+def device_memory_bytes(
+    config: TransformerConfig,
+    seq_len: int,
+    heads: int,
+    cols: int,
+    rows: int,
+    *,
+    query_rows_only: bool = False,
+    dtype_bytes: int = 4,
+) -> int:
+    """Peak bytes of one device holding `heads` heads and `cols` MLP columns of every layer.
+
+    Eq. 5's `l * (M_att * a_d / sum A + M_mlp * b_d / sum B)` for the sharded
+    weights, plus the embeddings, LayerNorms and head every device keeps, plus one
+    layer's working activations (inference frees them layer by layer): the
+    residual rows, this device's Q/K/V, attention scores and MLP hidden columns,
+    for `rows` query rows when `query_rows_only` (sequence parallelism), else all.
+    """
+    h, t, hd = config.hidden, seq_len, config.head_dim
+    m_att = 4 * h * h + 4 * h
+    m_mlp = 2 * h * config.ffn + config.ffn + h
+    shards = config.layers * (m_att * heads * config.ffn + m_mlp * cols * config.heads)
+    params = -(-shards // (config.heads * config.ffn)) + _model_wide_params(config)
+    tq = rows if query_rows_only else t
+    acts = 4 * t * h + hd * heads * (tq + 2 * t) + heads * tq * t + tq * cols
+    return dtype_bytes * (params + acts)
+
+
+def memory_bytes(plan: InferencePlan, config: TransformerConfig, dtype_bytes: int = 4) -> list[int]:
+    """Peak bytes each device of `plan` needs to serve one request (`device_memory_bytes`)."""
+    plan.check(config)
+    return [
+        device_memory_bytes(
+            config,
+            plan.seq_len,
+            a,
+            b,
+            r,
+            query_rows_only=plan.mode == "sp",
+            dtype_bytes=dtype_bytes,
+        )
+        for a, b, r in zip(plan.heads, plan.cols, plan.rows, strict=True)
+    ]

@@ -1,0 +1,165 @@
+"""Galaxy's profiler: time each block of one layer on this machine at a few shares.
+
+The planner needs `L(block, share, d)` for every device; we measure this
+machine's core on random weights (timings do not depend on their values) and
+emulate slower devices by scaling (`scaled`), as the presets' slowdowns say.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from common.errors import ConfigError
+from common.galaxy import blocks
+from common.galaxy.config import LAYER_KEYS, TransformerConfig, layer_key
+from common.galaxy.cost import BlockProfile
+
+__all__ = ["profile_blocks", "random_layer", "scaled"]
+
+
+def random_layer(config: TransformerConfig, seed: int = 0) -> dict[str, Tensor]:
+    """Layer 0's tensors under their model-wide names, random but shaped as the config says."""
+    gen = torch.Generator().manual_seed(seed)
+    h, f = config.hidden, config.ffn
+    shapes = {
+        "q.weight": (h, h),
+        "k.weight": (h, h),
+        "v.weight": (h, h),
+        "o.weight": (h, h),
+        "up.weight": (f, h),
+        "up.bias": (f,),
+        "down.weight": (h, f),
+    }
+    return {
+        layer_key(0, name): torch.randn(shapes.get(name, (h,)), generator=gen) * 0.02
+        for name in LAYER_KEYS
+    }
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: first calls pay allocation and dispatch costs a steady run does not
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sizes(name: str, values: Sequence[int], top: int) -> list[int]:
+    sizes = sorted(set(values))
+    if not sizes or sizes[0] < 1 or sizes[-1] > top:
+        raise ConfigError(f"{name} must be non-empty and within [1, {top}], got {list(values)}")
+    return sizes
+
+
+def profile_blocks(
+    config: TransformerConfig,
+    seq_len: int,
+    head_counts: Sequence[int],
+    col_counts: Sequence[int],
+    row_counts: Sequence[int],
+    repeats: int = 5,
+    *,
+    device: str = "local",
+    seed: int = 0,
+) -> BlockProfile:
+    """Median seconds of this machine's MHA, MLP and connective blocks at the given shares.
+
+    A block's time is the sum of its parts' medians (QKV, attention, output GEMM;
+    up, down GEMM); the first and last GEMM's shares of it are taken at the largest
+    size measured, which is what tile overlap hides communication under.
+
+    Raises:
+        ConfigError: If a count is outside the model, seq_len passes max_positions,
+            or repeats < 1.
+
+    """
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    if not 1 <= seq_len <= config.max_positions:
+        raise ConfigError(f"seq_len must be in [1, {config.max_positions}], got {seq_len}")
+    heads = _sizes("head_counts", head_counts, config.heads)
+    cols = _sizes("col_counts", col_counts, config.ffn)
+    rows = _sizes("row_counts", row_counts, seq_len)
+    w = random_layer(config, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(seq_len, config.hidden, generator=gen)
+    mha: list[tuple[int, float]] = []
+    mha_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    with torch.inference_mode():
+        for n in heads:
+            q, k, v = blocks.qkv(x, w, 0, range(n), config)
+            ctx = blocks.attend(q, k, v, config.causal, 0)
+            mha_parts = (
+                _median_s(partial(blocks.qkv, x, w, 0, range(n), config), repeats),
+                _median_s(partial(blocks.attend, q, k, v, config.causal, 0), repeats),
+                _median_s(partial(blocks.out_partial, ctx, w, 0, range(n)), repeats),
+            )
+            mha.append((n, sum(mha_parts)))
+        mlp: list[tuple[int, float]] = []
+        mlp_parts = (0.0, 0.0)
+        for n in cols:
+            e = blocks.mlp_up(x, w, 0, range(n), config)
+            mlp_parts = (
+                _median_s(partial(blocks.mlp_up, x, w, 0, range(n), config), repeats),
+                _median_s(partial(blocks.mlp_down_partial, e, w, 0, range(n)), repeats),
+            )
+            mlp.append((n, sum(mlp_parts)))
+        con: list[tuple[int, float]] = []
+        for n in rows:
+            # the two connective blocks of a layer differ (post-attention, post-MLP plus
+            # the next layer's input norm); one "connective block" is their mean
+            after_attn = _median_s(
+                partial(blocks.after_attention, x[:n], x[:n], w, 0, config), repeats
+            )
+            after_mlp = _median_s(partial(_after_mlp, x[:n], w, config), repeats)
+            con.append((n, (after_attn + after_mlp) / 2))
+    return BlockProfile(
+        device=device,
+        seq_len=seq_len,
+        mha=tuple(mha),
+        mlp=tuple(mlp),
+        con=tuple(con),
+        mha_open=_share(mha_parts[0], sum(mha_parts)),
+        mha_close=_share(mha_parts[2], sum(mha_parts)),
+        mlp_open=_share(mlp_parts[0], sum(mlp_parts)),
+        mlp_close=_share(mlp_parts[1], sum(mlp_parts)),
+    )
+
+
+def _after_mlp(x: Tensor, w: dict[str, Tensor], config: TransformerConfig) -> Tensor:
+    return blocks.attention_input(blocks.after_mlp(x, x, w, 0, config), w, 0, config)
+
+
+def _share(part: float, total: float) -> float:
+    return part / total if total > 0 else 0.0
+
+
+def scaled(profile: BlockProfile, slowdown: float, device: str | None = None) -> BlockProfile:
+    """`profile` as a device `slowdown` times slower would measure it (same shares).
+
+    Raises:
+        ConfigError: If `slowdown` is not positive.
+
+    """
+    if not slowdown > 0:
+        raise ConfigError(f"slowdown must be positive, got {slowdown}")
+
+    def times(points: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        return tuple((n, s * slowdown) for n, s in points)
+
+    return profile.model_copy(
+        update={
+            "device": profile.device if device is None else device,
+            "mha": times(profile.mha),
+            "mlp": times(profile.mlp),
+            "con": times(profile.con),
+        }
+    )

@@ -1,0 +1,108 @@
+"""The served weights a device builds from a serving spec, and the part of them it keeps.
+
+Every device builds the same weights from the same source (a seeded random
+initialisation, a seeded `transformers` model, or a training checkpoint), so
+no weights cross the network at load time; then it keeps only its shard
+(`shard`): under a weight-splitting plan a device holds its heads' rows of
+Q, K, V and columns of O, and its MLP columns of `up` and `down`, which is
+what lets a model too big for any one device be served (Galaxy Eq. 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from common.errors import ConfigError
+from common.galaxy.config import TransformerConfig, layer_key
+from common.galaxy.model import init_weights
+
+__all__ = ["build", "shard", "transformers_model", "transformers_weights"]
+
+
+def transformers_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
+    """A `transformers` GPT-2 (decoder) or BERT (encoder) of this shape, seeded, in eval mode.
+
+    Built from a configuration only: random weights, nothing downloaded.
+    """
+    import transformers  # heavy: only this source needs it
+
+    torch.manual_seed(seed)
+    model: torch.nn.Module
+    if config.kind == "decoder":
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_layer=config.layers,
+                n_embd=config.hidden,
+                n_head=config.heads,
+                n_inner=config.ffn,
+                vocab_size=config.vocab_size,
+                n_positions=config.max_positions,
+                layer_norm_epsilon=config.ln_eps,
+                bos_token_id=None,
+                eos_token_id=None,
+            )
+        )
+    else:
+        bert = transformers.BertConfig(
+            num_hidden_layers=config.layers,
+            hidden_size=config.hidden,
+            num_attention_heads=config.heads,
+            intermediate_size=config.ffn,
+            vocab_size=config.vocab_size,
+            max_position_embeddings=config.max_positions,
+            layer_norm_eps=config.ln_eps,
+        )
+        bert.num_labels = max(config.num_classes, 1)
+        model = (
+            transformers.BertForSequenceClassification(bert)
+            if config.num_classes
+            else transformers.BertModel(bert)
+        )
+    model.train(False)
+    return model
+
+
+def transformers_weights(config: TransformerConfig, seed: int) -> dict[str, Tensor]:
+    """Our weights of `transformers_model(config, seed)`."""
+    from common.galaxy.weights import from_transformers
+
+    got, w = from_transformers(transformers_model(config, seed))
+    if got != config:
+        raise ConfigError(f"transformers built {got}, asked for {config}")
+    return w
+
+
+def build(source: str, config: TransformerConfig, seed: int) -> dict[str, Tensor]:
+    """The full weights of a seeded source ("init" or "transformers")."""
+    if source == "init":
+        return init_weights(config, seed)
+    if source == "transformers":
+        return transformers_weights(config, seed)
+    raise ConfigError(f"source must be init or transformers to build weights, got {source!r}")
+
+
+def shard(
+    w: Mapping[str, Tensor], config: TransformerConfig, heads: range, cols: range
+) -> dict[str, Tensor]:
+    """The weights a device keeps for `heads` and MLP `cols`, re-indexed from 0.
+
+    Q, K, V keep their heads' rows, O their columns; `up` keeps its rows for
+    `cols`, `down` its columns. Every other tensor is kept whole. Slices are
+    copied, so the full tensors can be freed.
+    """
+    d = config.head_dim
+    rows = slice(heads.start * d, heads.stop * d)
+    ffn = slice(cols.start, cols.stop)
+    out = dict(w)
+    for i in range(config.layers):
+        for name in ("q", "k", "v"):
+            out[layer_key(i, f"{name}.weight")] = w[layer_key(i, f"{name}.weight")][rows].clone()
+            out[layer_key(i, f"{name}.bias")] = w[layer_key(i, f"{name}.bias")][rows].clone()
+        out[layer_key(i, "o.weight")] = w[layer_key(i, "o.weight")][:, rows].clone()
+        out[layer_key(i, "up.weight")] = w[layer_key(i, "up.weight")][ffn].clone()
+        out[layer_key(i, "up.bias")] = w[layer_key(i, "up.bias")][ffn].clone()
+        out[layer_key(i, "down.weight")] = w[layer_key(i, "down.weight")][:, ffn].clone()
+    return out

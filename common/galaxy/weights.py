@@ -1,0 +1,283 @@
+"""Where served weights come from: `transformers` models and our training zoo.
+
+Both are renamed into the flat dict of `common.galaxy.config` and checked
+tensor by tensor against the shape the config implies, so a model that does
+not fit fails here with the offending name instead of deep inside a GEMM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from common.errors import ConfigError
+from common.galaxy.config import TransformerConfig, layer_key
+
+if TYPE_CHECKING:
+    from common.zoo import ZooModel
+
+__all__ = ["check_weights", "expected_shapes", "from_bert_small", "from_transformers"]
+
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+
+
+def expected_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor `config` needs, by name, with its shape."""
+    h, f = config.hidden, config.ffn
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed.token": (config.vocab_size, h),
+        "embed.position": (config.max_positions, h),
+    }
+    norms = ["embed.norm"] if config.kind == "encoder" else ["final_norm"]
+    for i in range(config.layers):
+        for name in ("q", "k", "v", "o"):
+            shapes[layer_key(i, f"{name}.weight")] = (h, h)
+            shapes[layer_key(i, f"{name}.bias")] = (h,)
+        shapes[layer_key(i, "up.weight")] = (f, h)
+        shapes[layer_key(i, "up.bias")] = (f,)
+        shapes[layer_key(i, "down.weight")] = (h, f)
+        shapes[layer_key(i, "down.bias")] = (h,)
+        norms += [layer_key(i, "ln1"), layer_key(i, "ln2")]
+    for prefix in norms:
+        shapes[f"{prefix}.weight"] = shapes[f"{prefix}.bias"] = (h,)
+    if config.num_classes:
+        shapes["pool.weight"], shapes["pool.bias"] = (h, h), (h,)
+        shapes["classify.weight"] = (config.num_classes, h)
+        shapes["classify.bias"] = (config.num_classes,)
+    return shapes
+
+
+def check_weights(config: TransformerConfig, w: Mapping[str, Tensor]) -> None:
+    """Refuse weights that lack a tensor `config` needs or hold one of another shape.
+
+    Raises:
+        ConfigError: Naming the first missing or misshapen tensor, expected vs actual.
+
+    """
+    for name, shape in expected_shapes(config).items():
+        if name not in w:
+            raise ConfigError(f"weights lack tensor {name!r} of shape {shape}")
+        if tuple(w[name].shape) != shape:
+            raise ConfigError(
+                f"tensor {name!r} must have shape {shape} for hidden {config.hidden}, "
+                f"heads {config.heads}, ffn {config.ffn}; got {tuple(w[name].shape)}"
+            )
+
+
+def _take(sd: Mapping[str, Tensor], key: str) -> Tensor:
+    if key not in sd:
+        raise ConfigError(f"model lacks tensor {key!r}")
+    return sd[key].detach().clone().float()
+
+
+def from_transformers(model: nn.Module) -> tuple[TransformerConfig, dict[str, Tensor]]:
+    """Config and weights of a `transformers` GPT-2 or BERT model.
+
+    GPT2LMHeadModel / GPT2Model become a decoder; BertModel and
+    BertForSequenceClassification an encoder, with token type 0 folded into the
+    position table so serving needs no segment ids.
+
+    Raises:
+        ConfigError: For another model class, an activation or position scheme we
+            do not compute, an untied LM head, or a missing or misshapen tensor.
+
+    """
+    import transformers  # heavy: imported only when a model is converted
+
+    if isinstance(model, transformers.GPT2LMHeadModel | transformers.GPT2Model):
+        config, w = _from_gpt2(model, transformers.GPT2LMHeadModel)
+    elif isinstance(model, transformers.BertForSequenceClassification | transformers.BertModel):
+        config, w = _from_bert(model, transformers.BertForSequenceClassification)
+    else:
+        raise ConfigError(
+            "from_transformers takes GPT2LMHeadModel, GPT2Model, BertModel or "
+            f"BertForSequenceClassification, got {type(model).__name__}"
+        )
+    check_weights(config, w)
+    return config, w
+
+
+def _from_gpt2(
+    model: nn.Module, lm_class: type[Any]
+) -> tuple[TransformerConfig, dict[str, Tensor]]:
+    hf: Any = model.config
+    if hf.activation_function not in _TANH_GELUS:
+        raise ConfigError(
+            f"GPT-2 activation must be one of {_TANH_GELUS}, got {hf.activation_function!r}"
+        )
+    sd = model.state_dict()
+    p = "transformer." if isinstance(model, lm_class) else ""
+    hidden = int(hf.n_embd)
+    config = TransformerConfig(
+        kind="decoder",
+        layers=int(hf.n_layer),
+        hidden=hidden,
+        heads=int(hf.n_head),
+        ffn=int(hf.n_inner) if hf.n_inner is not None else 4 * hidden,
+        vocab_size=int(hf.vocab_size),
+        max_positions=int(hf.n_positions),
+        ln_eps=float(hf.layer_norm_epsilon),
+    )
+    w = {"embed.token": _take(sd, f"{p}wte.weight"), "embed.position": _take(sd, f"{p}wpe.weight")}
+    if p and not torch.equal(_take(sd, "lm_head.weight"), w["embed.token"]):
+        raise ConfigError("GPT-2 LM head must be tied to wte (as GPT-2's is); it is not")
+    w["final_norm.weight"], w["final_norm.bias"] = (
+        _take(sd, f"{p}ln_f.weight"),
+        _take(sd, f"{p}ln_f.bias"),
+    )
+    for i in range(config.layers):
+        b = f"{p}h.{i}."
+        # Conv1D stores (in, out): transpose to nn.Linear's (out, in)
+        qkv_w = _take(sd, f"{b}attn.c_attn.weight").T
+        qkv_b = _take(sd, f"{b}attn.c_attn.bias")
+        if qkv_w.shape[0] != 3 * hidden:
+            raise ConfigError(
+                f"{b}attn.c_attn must have {3 * hidden} outputs for hidden {hidden}, "
+                f"got {qkv_w.shape[0]}"
+            )
+        for j, name in enumerate(("q", "k", "v")):
+            w[layer_key(i, f"{name}.weight")] = qkv_w[j * hidden : (j + 1) * hidden].contiguous()
+            w[layer_key(i, f"{name}.bias")] = qkv_b[j * hidden : (j + 1) * hidden].contiguous()
+        pairs = {
+            "o": "attn.c_proj",
+            "up": "mlp.c_fc",
+            "down": "mlp.c_proj",
+        }
+        for ours, theirs in pairs.items():
+            w[layer_key(i, f"{ours}.weight")] = _take(sd, f"{b}{theirs}.weight").T.contiguous()
+            w[layer_key(i, f"{ours}.bias")] = _take(sd, f"{b}{theirs}.bias")
+        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            w[layer_key(i, f"{ours}.weight")] = _take(sd, f"{b}{theirs}.weight")
+            w[layer_key(i, f"{ours}.bias")] = _take(sd, f"{b}{theirs}.bias")
+    return config, w
+
+
+def _from_bert(
+    model: nn.Module, cls_class: type[Any]
+) -> tuple[TransformerConfig, dict[str, Tensor]]:
+    hf: Any = model.config
+    if hf.hidden_act != "gelu":
+        raise ConfigError(f"BERT activation must be 'gelu' (erf), got {hf.hidden_act!r}")
+    position_type = getattr(hf, "position_embedding_type", None) or "absolute"
+    if position_type != "absolute":
+        raise ConfigError(f"BERT position embeddings must be 'absolute', got {position_type!r}")
+    sd = model.state_dict()
+    classifies = isinstance(model, cls_class)
+    p = "bert." if classifies else ""
+    config = TransformerConfig(
+        kind="encoder",
+        layers=int(hf.num_hidden_layers),
+        hidden=int(hf.hidden_size),
+        heads=int(hf.num_attention_heads),
+        ffn=int(hf.intermediate_size),
+        vocab_size=int(hf.vocab_size),
+        max_positions=int(hf.max_position_embeddings),
+        ln_eps=float(hf.layer_norm_eps),
+        num_classes=int(hf.num_labels) if classifies else 0,
+    )
+    e = f"{p}embeddings."
+    segment0 = _take(sd, f"{e}token_type_embeddings.weight")[0]
+    w = {
+        "embed.token": _take(sd, f"{e}word_embeddings.weight"),
+        "embed.position": _take(sd, f"{e}position_embeddings.weight") + segment0,
+        "embed.norm.weight": _take(sd, f"{e}LayerNorm.weight"),
+        "embed.norm.bias": _take(sd, f"{e}LayerNorm.bias"),
+    }
+    pairs = {
+        "q": "attention.self.query",
+        "k": "attention.self.key",
+        "v": "attention.self.value",
+        "o": "attention.output.dense",
+        "ln1": "attention.output.LayerNorm",
+        "up": "intermediate.dense",
+        "down": "output.dense",
+        "ln2": "output.LayerNorm",
+    }
+    for i in range(config.layers):
+        for ours, theirs in pairs.items():
+            for part in ("weight", "bias"):
+                key = f"{p}encoder.layer.{i}.{theirs}.{part}"
+                w[layer_key(i, f"{ours}.{part}")] = _take(sd, key)
+    if classifies:
+        w["pool.weight"], w["pool.bias"] = (
+            _take(sd, "bert.pooler.dense.weight"),
+            _take(sd, "bert.pooler.dense.bias"),
+        )
+        w["classify.weight"], w["classify.bias"] = (
+            _take(sd, "classifier.weight"),
+            _take(sd, "classifier.bias"),
+        )
+    return config, w
+
+
+def from_bert_small(zoo_model: ZooModel) -> tuple[TransformerConfig, dict[str, Tensor]]:
+    """Config and weights of the zoo's `bert_small`, so a trained job's model can be served.
+
+    Its layers are embeddings, encoder layers, then pooler plus classifier.
+
+    Raises:
+        ConfigError: If the layers are not that shape, or a tensor is missing or
+            does not fit the config read from the modules.
+
+    """
+    # the zoo is needed only for this source, so it is imported only here
+    from common.zoo.bert import Embeddings, EncoderLayer, PoolerClassifier
+
+    layers = zoo_model.layers
+    emb, first, tail = layers[0], layers[1 % len(layers)], layers[-1]
+    if (
+        len(layers) < 3
+        or not isinstance(emb, Embeddings)
+        or not isinstance(first, EncoderLayer)
+        or not isinstance(tail, PoolerClassifier)
+        or not all(isinstance(m, EncoderLayer) for m in layers[1:-1])
+    ):
+        kinds = [type(m).__name__ for m in layers]
+        raise ConfigError(
+            f"bert_small must be Embeddings, EncoderLayer..., PoolerClassifier; got {kinds}"
+        )
+    up = first.ffn.up
+    if not isinstance(up, nn.Linear):
+        raise ConfigError(f"bert_small ffn.up must be nn.Linear, got {type(up).__name__}")
+    config = TransformerConfig(
+        kind="encoder",
+        layers=len(layers) - 2,
+        hidden=emb.token.embedding_dim,
+        heads=first.attention.heads,
+        ffn=up.out_features,
+        vocab_size=emb.token.num_embeddings,
+        max_positions=emb.position.num_embeddings,
+        ln_eps=float(emb.norm.eps),
+        num_classes=zoo_model.num_classes,
+    )
+    head_sd = emb.state_dict()
+    w: dict[str, Tensor] = {
+        "embed.token": _take(head_sd, "token.weight"),
+        "embed.position": _take(head_sd, "position.weight"),
+        "embed.norm.weight": _take(head_sd, "norm.weight"),
+        "embed.norm.bias": _take(head_sd, "norm.bias"),
+    }
+    pairs = {
+        "q": "attention.query",
+        "k": "attention.key",
+        "v": "attention.value",
+        "o": "attention.out",
+        "ln1": "attention_norm",
+        "up": "ffn.up",
+        "down": "ffn.down",
+        "ln2": "ffn_norm",
+    }
+    for i, layer in enumerate(layers[1:-1]):
+        sd = layer.state_dict()
+        for ours, theirs in pairs.items():
+            for part in ("weight", "bias"):
+                w[layer_key(i, f"{ours}.{part}")] = _take(sd, f"{theirs}.{part}")
+    tail_sd = tail.state_dict()
+    for ours, theirs in (("pool", "pooler"), ("classify", "classifier")):
+        for part in ("weight", "bias"):
+            w[f"{ours}.{part}"] = _take(tail_sd, f"{theirs}.{part}")
+    check_weights(config, w)
+    return config, w

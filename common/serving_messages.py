@@ -1,0 +1,264 @@
+"""Messages of Galaxy-style serving: load a model across devices, then answer requests.
+
+The flow: an operator's `ServeModel` names a model and the devices; the
+coordinator asks each device to time the Transformer blocks (`ProfileBlocks`,
+`BlocksProfiled`), plans the split, has every device load its shard
+(`LoadShard`, `ShardLoaded`), then runs each `InferRequest` on all of them
+(`RunInference`); the ring's first device returns the output
+(`InferenceDone`) and the requester gets `InferReply`. Between devices, tiles of
+hidden states travel as `HmpTile` on the data plane. Every size a peer chooses
+is bounded here, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from common.galaxy.config import TransformerConfig
+from common.galaxy.cost import BlockProfile
+from common.galaxy.plan import InferencePlan
+from common.ids import DeviceId, JobId
+from common.job import JOB_ID_PATTERN
+from common.message_base import WireModel
+
+__all__ = [
+    "MAX_NEW_TOKENS",
+    "MAX_PROMPT_TOKENS",
+    "BlocksProfiled",
+    "HmpTile",
+    "InferReply",
+    "InferRequest",
+    "InferenceDone",
+    "LoadShard",
+    "ProfileBlocks",
+    "RunInference",
+    "ServeModel",
+    "ServeSpec",
+    "ShardLoaded",
+    "TransformerShape",
+]
+
+MAX_PROMPT_TOKENS = 8192
+"""Longest prompt a request may carry (also the longest position table a model may have)."""
+MAX_NEW_TOKENS = 1024
+"""Most tokens one request may ask to generate."""
+MAX_OUTPUT = 100_000
+"""Most numbers an answer's output row may hold (GPT-2's 50,257-token vocabulary fits):
+the control plane carries no tensor frames, so the row travels in the header."""
+MAX_PROFILE_POINTS = 64
+"""Most partition sizes one block is timed at."""
+TAG_PATTERN = r"^[A-Za-z0-9_.:/@-]{1,96}$"
+"""A ring message's tag: which layer, block and step it belongs to."""
+
+
+class TransformerShape(WireModel):
+    """A Transformer's shape on the wire; bounded, so a hostile one allocates nothing."""
+
+    kind: Literal["encoder", "decoder"]
+    layers: int = Field(ge=1, le=256)
+    hidden: int = Field(ge=1, le=16384)
+    heads: int = Field(ge=1, le=256)
+    ffn: int = Field(ge=1, le=65536)
+    vocab_size: int = Field(ge=1, le=1_000_000)
+    max_positions: int = Field(ge=1, le=MAX_PROMPT_TOKENS)
+    ln_eps: float = Field(1e-12, gt=0.0, le=0.1)
+    num_classes: int = Field(0, ge=0, le=100_000)
+
+    def config(self) -> TransformerConfig:
+        """The shape as the executor's config; ConfigError if it cannot be split by heads."""
+        return TransformerConfig(**self.model_dump())
+
+    @classmethod
+    def of(cls, config: TransformerConfig) -> TransformerShape:
+        """The wire form of `config`."""
+        return cls(**{name: getattr(config, name) for name in cls.model_fields})
+
+
+class ServeSpec(WireModel):
+    """What to serve and how: the model's source, the devices and the parallelism."""
+
+    serve_id: JobId = Field(pattern=JOB_ID_PATTERN, description="Name of this serving job.")
+    source: Literal["init", "transformers", "checkpoint"] = Field(
+        "init",
+        description="Weights: `init` (random, seeded), `transformers` (built by the "
+        "transformers library from the shape, seeded) or `checkpoint` (a bert_small "
+        "training job's committed checkpoint).",
+    )
+    model: TransformerShape | None = Field(
+        None, description="The shape, for `init` and `transformers` (a checkpoint has its own)."
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    job: JobId | None = Field(None, pattern=JOB_ID_PATTERN, description="The training job.")
+    round: int | None = Field(None, ge=0, description="Its checkpoint; default the latest.")
+    mode: Literal["galaxy", "megatron", "sp", "local"] = Field(
+        "galaxy",
+        description="galaxy (hybrid model parallelism), megatron (tensor parallelism), "
+        "sp (sequence parallelism) or local (the single best device).",
+    )
+    overlap: bool = Field(True, description="Overlap ring steps with GEMM tiles (galaxy).")
+    devices: list[DeviceId] = Field(
+        default_factory=list, max_length=64, description="Devices to use; empty: every worker."
+    )
+    seq_len: int = Field(
+        284, ge=1, le=MAX_PROMPT_TOKENS, description="Sequence length to plan for."
+    )
+
+    @property
+    def job_id(self) -> str:
+        """The serving job's id (`serve_id`), under the name training jobs use."""
+        return self.serve_id
+
+    @model_validator(mode="after")
+    def _source_named(self) -> ServeSpec:
+        if self.source == "checkpoint" and self.job is None:
+            raise ValueError("source checkpoint needs `job` (the training job to serve)")
+        if self.source != "checkpoint" and self.model is None:
+            raise ValueError(f"source {self.source} needs `model` (the Transformer's shape)")
+        return self
+
+
+# --- operator -> coordinator -------------------------------------------------
+
+
+class ServeModel(WireModel):
+    """Plan a model across devices and load it; the reply is a JobReply."""
+
+    type: Literal["serve_model"] = "serve_model"
+    spec: ServeSpec
+
+
+class InferRequest(WireModel):
+    """One inference: token ids in; logits, and generated tokens if asked, out."""
+
+    type: Literal["infer_request"] = "infer_request"
+    serve_id: JobId = Field(pattern=JOB_ID_PATTERN)
+    ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    new_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS)
+    logits: bool = Field(True, description="Return the output row (see InferReply.logits).")
+
+
+# --- coordinator -> operator -------------------------------------------------
+
+
+class InferReply(WireModel):
+    """The answer to an InferRequest: generated tokens, the output row, and timings."""
+
+    type: Literal["infer_reply"] = "infer_reply"
+    serve_id: str
+    request: int
+    ok: bool
+    error: str = ""
+    tokens: list[int] = Field(default_factory=list)
+    logits: list[float] = Field(
+        default_factory=list,
+        max_length=MAX_OUTPUT,
+        description="A decoder's next-token logits after the prompt; an encoder's class "
+        "logits, or its first position's hidden state without a classifier.",
+    )
+    latency_s: float = 0.0
+    queued_s: float = 0.0
+
+
+# --- coordinator -> worker ---------------------------------------------------
+
+
+class ProfileBlocks(WireModel):
+    """Time the MHA, MLP and connective blocks here at these partition sizes."""
+
+    type: Literal["profile_blocks"] = "profile_blocks"
+    serve_id: JobId = Field(pattern=JOB_ID_PATTERN)
+    epoch: int = Field(ge=0)
+    model: TransformerShape
+    seq_len: int = Field(ge=1, le=MAX_PROMPT_TOKENS)
+    heads: list[int] = Field(min_length=1, max_length=MAX_PROFILE_POINTS)
+    cols: list[int] = Field(min_length=1, max_length=MAX_PROFILE_POINTS)
+    rows: list[int] = Field(min_length=1, max_length=MAX_PROFILE_POINTS)
+    repeats: int = Field(3, ge=1, le=50)
+
+
+class LoadShard(WireModel):
+    """Load this device's shard of the served model under `plan` (ring order = plan.devices)."""
+
+    type: Literal["load_shard"] = "load_shard"
+    serve_id: JobId = Field(pattern=JOB_ID_PATTERN)
+    epoch: int = Field(ge=0)
+    spec: ServeSpec
+    model: TransformerShape
+    plan: InferencePlan
+    peers: dict[DeviceId, str] = Field(
+        max_length=64, description="Data-plane address of each device of the plan."
+    )
+
+
+class RunInference(WireModel):
+    """Run request `round` on the loaded shard, with the ring's other devices."""
+
+    type: Literal["run_inference"] = "run_inference"
+    serve_id: JobId = Field(pattern=JOB_ID_PATTERN)
+    epoch: int = Field(ge=0)
+    round: int = Field(ge=1, description="The request's number, from 1.")
+    ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    new_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS)
+
+
+# --- worker -> coordinator ---------------------------------------------------
+
+
+class BlocksProfiled(WireModel):
+    """A device's seconds per block at each partition size asked."""
+
+    type: Literal["blocks_profiled"] = "blocks_profiled"
+    device: DeviceId
+    serve_id: str
+    epoch: int
+    round: int = Field(0, description="Serving step answered: 0 before any request.")
+    profile: BlockProfile
+
+    @field_validator("profile")
+    @classmethod
+    def _bounded(cls, profile: BlockProfile) -> BlockProfile:
+        """A peer's profile holds no more points than were asked for at most."""
+        for name in ("mha", "mlp", "con"):
+            if len(getattr(profile, name)) > MAX_PROFILE_POINTS:
+                raise ValueError(f"{name} has more than {MAX_PROFILE_POINTS} points")
+        return profile
+
+
+class ShardLoaded(WireModel):
+    """The shard is in memory; `weight_bytes` of parameters."""
+
+    type: Literal["shard_loaded"] = "shard_loaded"
+    device: DeviceId
+    serve_id: str
+    epoch: int
+    round: int = Field(0, description="Serving step answered: 0 before any request.")
+    weight_bytes: int = Field(ge=0)
+    load_s: float = Field(ge=0.0)
+
+
+class InferenceDone(WireModel):
+    """The ring's first device's output of a request (see InferReply for `logits`)."""
+
+    type: Literal["inference_done"] = "inference_done"
+    device: DeviceId
+    serve_id: str
+    epoch: int
+    round: int = Field(description="The request answered (serving steps are numbered by request).")
+    tokens: list[int] = Field(default_factory=list, max_length=MAX_NEW_TOKENS)
+    logits: list[float] = Field(default_factory=list, max_length=MAX_OUTPUT)
+    compute_s: float = Field(ge=0.0)
+
+
+# --- data plane: worker -> worker ---------------------------------------------
+
+
+class HmpTile(WireModel):
+    """One ring step's tile of hidden states (one tensor frame) for request `round`."""
+
+    type: Literal["hmp_tile"] = "hmp_tile"
+    serve_id: str = Field(pattern=JOB_ID_PATTERN)
+    epoch: int = Field(ge=0)
+    round: int = Field(ge=1, description="The request's number.")
+    tag: str = Field(pattern=TAG_PATTERN)

@@ -1,0 +1,197 @@
+"""A worker's serving side: time the blocks, load a shard, run its part of each request.
+
+The coordinator's serving job drives it with three commands, each answered on
+the control plane: `ProfileBlocks` (time the MHA, MLP and connective blocks
+here, Galaxy's profiler), `LoadShard` (build the served weights, keep this
+device's shard, open the ring to the plan's other devices) and `RunInference`
+(this device's part of one request through `common.galaxy.hmp`; the ring's
+first device answers with the output). Tiles travel on the data plane through
+a dispatcher of their own, so a serving ring never disturbs training's peers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+from torch import Tensor
+
+from common.curve import CurveKeys
+from common.errors import ConfigError
+from common.galaxy import hmp, sources
+from common.galaxy.config import TransformerConfig
+from common.galaxy.plan import InferencePlan
+from common.galaxy.profiling import profile_blocks
+from common.ids import DeviceId
+from common.logging import get_logger
+from common.serving_messages import (
+    BlocksProfiled,
+    HmpTile,
+    InferenceDone,
+    LoadShard,
+    ProfileBlocks,
+    RunInference,
+    ShardLoaded,
+)
+from services.worker.tiles import Expecting, TileInbox, ZmqRing
+from services.worker.transport import Dispatcher
+
+__all__ = ["Served", "Serving"]
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What `LoadShard` left in memory: the plan, the model's shape and this device's weights."""
+
+    serve_id: str
+    epoch: int
+    plan: InferencePlan
+    config: TransformerConfig
+    weights: dict[str, Tensor]
+    devices: list[DeviceId]
+
+
+class Serving:
+    """The serving commands of one worker; runs on the worker's main thread."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        device: DeviceId,
+        keys: CurveKeys | None,
+        max_bytes: int,
+        timeout_s: float,
+        stopped: Callable[[], str | None],
+    ) -> None:
+        self.device = device
+        self.inbox = TileInbox(max_bytes)
+        self.dispatcher = Dispatcher(ctx, device, keys, session="serve")
+        self.timeout_s = timeout_s
+        self.stopped = stopped
+        self.served: Served | None = None
+
+    def profile(self, msg: ProfileBlocks) -> BlocksProfiled:
+        """Time the blocks at the sizes asked, on random weights of the served shape."""
+        config = msg.model.config()
+        profile = profile_blocks(
+            config, msg.seq_len, msg.heads, msg.cols, msg.rows, msg.repeats, device=self.device
+        )
+        return BlocksProfiled(
+            device=self.device, serve_id=msg.serve_id, epoch=msg.epoch, profile=profile
+        )
+
+    def load(self, msg: LoadShard) -> ShardLoaded:
+        """Build the weights, keep this device's shard, and point the ring at the plan's peers."""
+        started = time.perf_counter()
+        plan = msg.plan
+        if self.device not in plan.devices:
+            raise ConfigError(f"plan of {msg.serve_id} runs on {plan.devices}, not {self.device}")
+        config = msg.model.config()
+        plan.check(config)
+        if msg.spec.source == "checkpoint":
+            raise ConfigError("serving a training checkpoint is not supported yet")
+        rank = plan.devices.index(self.device)
+        weights = sources.build(msg.spec.source, config, msg.spec.seed)
+        if plan.mode in ("galaxy", "megatron"):
+            weights = sources.shard(weights, config, plan.head_range(rank), plan.col_range(rank))
+        devices = [DeviceId(d) for d in plan.devices]
+        missing = [d for d in devices if d not in msg.peers]
+        if missing:
+            raise ConfigError(f"no data-plane address for {missing} in the plan of {msg.serve_id}")
+        self.dispatcher.set_peers({d: msg.peers[d] for d in devices})
+        prev = devices[(rank - 1) % len(devices)]
+        self.inbox.expect(Expecting(msg.serve_id, msg.epoch, prev))
+        self.served = Served(msg.serve_id, msg.epoch, plan, config, weights, devices)
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        log.info(
+            "shard loaded",
+            job=msg.serve_id,
+            mode=plan.mode,
+            rank=rank,
+            heads=list(plan.head_range(rank)),
+            weight_bytes=nbytes,
+        )
+        return ShardLoaded(
+            device=self.device,
+            serve_id=msg.serve_id,
+            epoch=msg.epoch,
+            weight_bytes=nbytes,
+            load_s=time.perf_counter() - started,
+        )
+
+    def run(self, msg: RunInference) -> InferenceDone | None:
+        """Run this device's part of one request; the ring's first device returns the answer."""
+        served = self.served
+        if served is None or (served.serve_id, served.epoch) != (msg.serve_id, msg.epoch):
+            have = f"{served.serve_id}/{served.epoch}" if served else "nothing"
+            raise ConfigError(f"request for {msg.serve_id}/{msg.epoch}, loaded {have}")
+        started = time.perf_counter()
+        self.inbox.start(msg.round)
+        ring = ZmqRing(
+            served.devices,
+            self.device,
+            HmpTile(serve_id=msg.serve_id, epoch=msg.epoch, round=msg.round, tag="-"),
+            self.dispatcher,
+            self.inbox,
+            self.stopped,
+        )
+        ids = torch.tensor(msg.ids, dtype=torch.int64)
+        config, plan = served.config, served.plan
+        if msg.new_tokens and config.kind != "decoder":
+            raise ConfigError("only a decoder generates tokens; this model is an encoder")
+        ring_or_none = None if plan.mode == "local" else ring
+        sharded = plan.mode in ("galaxy", "megatron")
+        prompt: list[Tensor] = []
+        tokens: list[int] = []
+        with torch.no_grad():
+            if config.kind == "decoder":
+                tokens = hmp.generate(
+                    ring_or_none,
+                    plan,
+                    served.weights,
+                    config,
+                    ids,
+                    msg.new_tokens,
+                    tag="req",
+                    timeout_s=self.timeout_s,
+                    sharded=sharded,
+                    on_prompt=prompt.append,
+                )
+            else:
+                prompt.append(
+                    hmp.run(
+                        ring_or_none,
+                        plan,
+                        served.weights,
+                        config,
+                        ids,
+                        tag="req",
+                        timeout_s=self.timeout_s,
+                        sharded=sharded,
+                    )
+                )
+        if ring.rank != 0:
+            return None
+        # what a client wants of the output: next-token logits (decoder), class logits, or
+        # the first position's hidden state (encoder without a classifier)
+        logits = prompt[0]
+        row = logits if logits.dim() == 1 else logits[-1 if config.kind == "decoder" else 0]
+        return InferenceDone(
+            device=self.device,
+            serve_id=msg.serve_id,
+            epoch=msg.epoch,
+            round=msg.round,
+            tokens=tokens,
+            logits=row.tolist(),
+            compute_s=time.perf_counter() - started,
+        )
+
+    def close(self) -> None:
+        """Stop the ring's dispatcher after what it queued."""
+        self.dispatcher.close()

@@ -1,0 +1,162 @@
+"""A model served across real worker processes answers as single-device inference does.
+
+Three workers over ZeroMQ with a real Redis; the coordinator runs the serving
+job (profile, plan, load, requests) on its own thread, and requests arrive the
+way programs and `asteroid infer` send them (`services.cli.serve.infer_request`).
+Every answer is checked against the single-process reference of the same
+seeded weights: encoder logits, decoder next-token logits and generated tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from common.galaxy import model
+from common.messages import CancelJob
+from common.serving_messages import InferReply, ServeModel, ServeSpec, TransformerShape
+from common.settings import CoordinatorSettings
+from services.cli.client import ask_coordinator
+from services.cli.serve import infer_request
+from services.coordinator.service import Coordinator
+from tests.cluster import LocalCluster
+
+pytestmark = pytest.mark.integration
+
+DECODER = TransformerShape(
+    kind="decoder",
+    layers=2,
+    hidden=48,
+    heads=6,
+    ffn=96,
+    vocab_size=300,
+    max_positions=64,
+    ln_eps=1e-5,
+)
+ENCODER = TransformerShape(
+    kind="encoder",
+    layers=2,
+    hidden=48,
+    heads=6,
+    ffn=96,
+    vocab_size=300,
+    max_positions=64,
+    num_classes=5,
+)
+WORKERS = ["a", "b", "c"]
+
+
+class Serving:
+    """A coordinator serving on a thread of this test, with workers as processes."""
+
+    def __init__(self, cluster: LocalCluster, coord: Coordinator) -> None:
+        self.cluster, self.coord = cluster, coord
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self, spec: ServeSpec) -> None:
+        def serve() -> None:
+            try:
+                self.coord.serve(stop_after=spec.serve_id)
+            except BaseException as exc:  # reported by `stop`, never lost
+                self.error = exc
+
+        self.thread = threading.Thread(target=serve, name="coordinator", daemon=True)
+        self.thread.start()
+        reply = ask_coordinator(self.cluster.addr, ServeModel(spec=spec), 30)
+        assert reply.ok, reply.error
+
+    def stop(self, serve_id: str) -> None:
+        reply = ask_coordinator(self.cluster.addr, CancelJob(job_id=serve_id), 30)
+        assert reply.ok, reply.error
+        assert self.thread is not None
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the serving job did not end after its cancel"
+        assert self.error is None, self.error
+
+
+@pytest.fixture
+def serving(tmp_path, redis_url, cluster_name) -> Iterator[Serving]:
+    cluster = LocalCluster(tmp_path, redis_url, cluster_name)
+    coord = Coordinator(
+        CoordinatorSettings(
+            bind=cluster.addr, redis_url=redis_url, cluster=cluster_name, heartbeat_s=0.3
+        )
+    )
+    try:
+        cluster.start_workers(WORKERS)
+        coord.wait_for_devices([*WORKERS], 60)  # type: ignore[list-item]
+        yield Serving(cluster, coord)
+        coord.shutdown_workers("test over")
+        cluster.wait_workers_exit(30)
+    finally:
+        coord.close()
+        cluster.close()
+
+
+def _state(coord: Coordinator, jid: str) -> str:
+    return str(coord.store.get_fields("job", jid).get("state"))
+
+
+@pytest.mark.parametrize("mode", ["galaxy", "megatron", "sp", "local"])
+def test_a_served_decoder_answers_like_single_device_inference(serving, mode):
+    spec = ServeSpec(serve_id=f"gpt-{mode}", model=DECODER, seed=3, mode=mode, seq_len=12)
+    serving.start(spec)
+    config = DECODER.config()
+    w = model.init_weights(config, 3)
+    prompts = [[5, 17, 3, 250, 9, 9, 1, 42, 7, 7, 100, 2], [11, 4]]
+    for n, ids in enumerate(prompts, start=1):
+        reply = infer_request(serving.cluster.addr, spec.serve_id, ids, new_tokens=4)
+        assert reply.ok, reply.error
+        assert reply.request == n
+        with torch.no_grad():
+            want = model.forward(torch.tensor(ids), w, config)[-1]
+        got = torch.tensor(reply.logits)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+        assert reply.tokens == model.generate(torch.tensor(ids), w, config, 4)
+        assert reply.latency_s > 0
+    assert _state(serving.coord, spec.serve_id) == "running"
+    metrics = serving.coord.store.r.xlen(serving.coord.store.key("metrics", spec.serve_id))
+    serving.stop(spec.serve_id)
+    assert metrics == len(prompts)
+    assert _state(serving.coord, spec.serve_id) == "cancelled"
+
+
+def test_a_served_encoder_classifies_like_single_device_inference(serving):
+    spec = ServeSpec(serve_id="bert", model=ENCODER, seed=4, seq_len=16, overlap=True)
+    serving.start(spec)
+    config = ENCODER.config()
+    w = model.init_weights(config, 4)
+    ids = list(range(3, 19))
+    reply = infer_request(serving.cluster.addr, "bert", ids)
+    assert reply.ok, reply.error
+    with torch.no_grad():
+        want = model.forward(torch.tensor(ids), w, config)
+    assert torch.allclose(torch.tensor(reply.logits), want, atol=1e-5, rtol=0)
+    refused = infer_request(serving.cluster.addr, "bert", ids, new_tokens=2)
+    assert not refused.ok and "only a decoder generates" in refused.error
+    refused = infer_request(serving.cluster.addr, "bert", [1, 300])
+    assert not refused.ok and "token ids must be in [0, 300)" in refused.error
+    again = infer_request(serving.cluster.addr, "bert", ids)  # a refusal ends nothing
+    assert again.ok and again.logits == reply.logits
+    serving.stop("bert")
+    assert _state(serving.coord, "bert") == "cancelled"
+
+
+def test_a_request_for_a_job_that_is_not_serving_is_refused_at_once(serving):
+    replies: list[InferReply] = []
+    asking = threading.Thread(
+        target=lambda: replies.append(
+            infer_request(serving.cluster.addr, "nothing-here", [1, 2, 3], timeout_s=10)
+        ),
+        daemon=True,
+    )
+    asking.start()
+    while asking.is_alive():  # the coordinator answers from its own loop
+        serving.coord.pump(0.1)
+    assert len(replies) == 1 and not replies[0].ok
+    assert "no serving job nothing-here is running" in replies[0].error

@@ -1,6 +1,6 @@
 """`asteroid testbed up|down|status`: emulated edge devices on this machine (root only).
 
-`up` builds a preset (Asteroid's Env A-D, Galaxy's D-F) or a testbed file and
+`up` builds a preset (Asteroid's Env A-D, Galaxy's A-F) or a testbed file and
 runs the services on it in the foreground until Ctrl-C, or until `--job`
 ends; `down` removes whatever crashed runs left (namespaces, links, cgroups,
 processes); `status` shows every testbed found. Exit codes:
@@ -30,7 +30,18 @@ if TYPE_CHECKING:
 
 __all__ = ["PRESET_NAMES", "app"]
 
-PRESET_NAMES = ("env-a", "env-b", "env-c", "env-d", "galaxy-d", "galaxy-e", "galaxy-f")
+PRESET_NAMES = (
+    "env-a",
+    "env-b",
+    "env-c",
+    "env-d",
+    "galaxy-a",
+    "galaxy-b",
+    "galaxy-c",
+    "galaxy-d",
+    "galaxy-e",
+    "galaxy-f",
+)
 """The names of `services.testbed.spec.PRESETS`, for the help text (a test keeps them equal)."""
 
 app = typer.Typer(

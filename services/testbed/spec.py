@@ -11,10 +11,13 @@ kinds and their mixes) into devices this machine can host:
   artefacts) and no device gets more than `MAX_DEVICE_CPU` = 0.5 cores (one
   device is never most of the machine). Rounded down to 1/1000 core: Env A
   5 Nanos at 0.32; Env B NX 0.349, TX2 0.275; Env C NX 0.468, TX2 0.369,
-  Nano 0.13; Env D TX2 0.5, Nano 0.177; Galaxy-D/E Nano 0.5, @75% 0.375,
-  @50% 0.25; Galaxy-F 0.492, 0.369, 0.246.
+  Nano 0.13; Env D TX2 0.5, Nano 0.177; Galaxy's Nano-L / Nano-M / Nano-S
+  (CPU at 1.47 GHz / 825 MHz / 403 MHz) 0.5 / 0.28 / 0.137 in D-F, Nano-M
+  0.5 each in A and B, 0.4 in C.
 - Memory: the kind's memory times `MEMORY_SCALE` = 1/8 (Nano 4 GiB -> 512 MiB,
   TX2 and Xavier NX 8 GiB -> 1 GiB), never below `MEMORY_FLOOR` = 384 MiB.
+  Galaxy's devices get 320 MiB for the worker plus their budget (1.5 / 1.2 /
+  0.7 GiB) times 1/8: 512 / 473.6 / 473.6 MiB.
   Measured in a memory cgroup (torch 2.13, x86-64, one thread): an idle worker
   (Python, torch, ZeroMQ) is charged about 240 MiB, training small_cnn at batch
   8 about 265 MiB, mobilenet_v2 whole at batch 8 with Adam about 470 MiB. So
@@ -44,7 +47,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.errors import ConfigError, validation_message
-from common.presets import environment
+from common.presets import GALAXY_ENVIRONMENTS, environment, galaxy_devices
 from common.profile import ClusterSpec, DeviceSpec
 
 __all__ = [
@@ -85,6 +88,10 @@ WORKER_BASELINE_BYTES = 256 * MiB
 MAX_DEVICES = 250
 """Most devices in one testbed."""
 
+GALAXY_WORKER_BYTES = 320 << 20
+"""Room for a worker (about 240 MiB idle, measured) under a Galaxy device's budget; at
+least `MEMORY_FLOOR` with the smallest budget, so that every device can start."""
+
 FIRST_DEVICE_HOST = 10
 """Device i gets the subnet's host number FIRST_DEVICE_HOST + i; .1 is the bridge."""
 
@@ -93,6 +100,9 @@ PRESETS: dict[str, str] = {
     "env-b": "B",
     "env-c": "C",
     "env-d": "D",
+    "galaxy-a": "Galaxy-A",
+    "galaxy-b": "Galaxy-B",
+    "galaxy-c": "Galaxy-C",
     "galaxy-d": "Galaxy-D",
     "galaxy-e": "Galaxy-E",
     "galaxy-f": "Galaxy-F",
@@ -253,7 +263,7 @@ def load_testbed(path: Path) -> TestbedSpec:
 
 
 def preset(name: str, link: str = "1gbit") -> TestbedSpec:
-    """The testbed of environment `name` ("env-a".."env-d", "galaxy-d".."galaxy-f").
+    """The testbed of environment `name` ("env-a".."env-d", "galaxy-a".."galaxy-f").
 
     Every device's link runs at `link` ("100mbit", "1gbit" or any tc rate).
 
@@ -272,18 +282,31 @@ def preset(name: str, link: str = "1gbit") -> TestbedSpec:
     total = sum(k.tflops * n for k, n in kinds)
     fastest = max(k.tflops for k, _ in kinds)
     cores_per_tflops = min(MAX_DEVICE_CPU / fastest, CPU_BUDGET / total)
+    memory = _galaxy_memory(env) if env in GALAXY_ENVIRONMENTS else {}
     devices = [
         TestbedDevice(
             name=f"{kind.prefix}-{i}",
             kind=kind.name,
             cpu=_round_down(kind.tflops * cores_per_tflops),
-            memory_bytes=max(MEMORY_FLOOR, int(kind.memory_bytes * MEMORY_SCALE)),
+            memory_bytes=memory.get(
+                f"{kind.prefix}-{i}", max(MEMORY_FLOOR, int(kind.memory_bytes * MEMORY_SCALE))
+            ),
             bandwidth_bps=bps,
         )
         for kind, count in kinds
         for i in range(count)
     ]
     return TestbedSpec(name=name, devices=devices)
+
+
+def _galaxy_memory(env: str) -> dict[str, int]:
+    """Memory limits of a Galaxy environment's devices: a worker plus the scaled budget.
+
+    Galaxy's budgets (1.5 / 1.2 / 0.7 GB, Nano-M 1.5 GB when alone) are what a
+    device gives the model; scaled by `MEMORY_SCALE`, on top of what an idle
+    worker is charged, so that the budgets the planner sees keep the paper's ratios.
+    """
+    return {d.name: GALAXY_WORKER_BYTES + d.budget_bytes for d in galaxy_devices(env, MEMORY_SCALE)}
 
 
 def _round_down(cores: float) -> float:

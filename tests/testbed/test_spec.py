@@ -11,6 +11,7 @@ from common.errors import ConfigError
 from common.presets import DEVICE_KINDS, environment
 from services.testbed.spec import (
     CPU_BUDGET,
+    GALAXY_WORKER_BYTES,
     MAX_DEVICE_CPU,
     MEMORY_FLOOR,
     MEMORY_SCALE,
@@ -146,11 +147,25 @@ def test_presets_scale_cpu_by_tflops_within_the_budget(name):
     assert s.warnings(cores=2) == []
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", [p for p in PRESETS if not p.startswith("galaxy-")])
 def test_presets_scale_memory_with_a_floor(name):
     for d in preset(name).devices:
         kind = DEVICE_KINDS[d.kind]
         assert d.memory_bytes == max(MEMORY_FLOOR, int(kind.memory_bytes * MEMORY_SCALE))
+
+
+def test_galaxy_presets_give_a_worker_room_plus_the_papers_budgets_scaled():
+    """Galaxy §IV-A: budgets 1.5 / 1.2 / 0.7 GB (Nano-M 1.5 GB in A-C), here / 8."""
+    for name in ("galaxy-a", "galaxy-f"):
+        budgets = {
+            d.name: (d.memory_bytes - GALAXY_WORKER_BYTES) / MiB for d in preset(name).devices
+        }
+        scaled = {k: round(v * 8 / 1024, 3) for k, v in budgets.items()}
+        if name == "galaxy-a":
+            assert scaled == {"nano-m-0": 1.5, "nano-m-1": 1.5}
+        else:
+            assert scaled == {"nano-l-0": 1.5, "nano-m-0": 1.2, "nano-s-0": 0.7}
+    assert all(d.memory_bytes >= MEMORY_FLOOR for n in PRESETS for d in preset(n).devices)
 
 
 def test_documented_preset_numbers():

@@ -22,9 +22,9 @@ from common.checkpoint import latest_round, load_full_state
 from common.errors import CheckpointError, ConfigError, validation_message
 from common.job import JobSpec
 from common.store import Store
-from common.zoo import build_model
+from common.zoo import ZooModel, build_model
 
-__all__ = ["SUFFIXES", "ExportInfo", "committed_rounds", "export_weights"]
+__all__ = ["SUFFIXES", "ExportInfo", "committed_rounds", "export_weights", "trained_model"]
 
 SUFFIXES = (".safetensors", ".pt")
 """File suffixes `export_weights` knows, each naming its format."""
@@ -106,6 +106,30 @@ def _ordered_like(
                 f"the model wants {tuple(ref.shape)}"
             )
     return {key: saved[key].contiguous() for key in expected}
+
+
+def trained_model(
+    store: Store, job_id: str, round_no: int | None = None, allowed_modules: tuple[str, ...] = ()
+) -> tuple[ZooModel, int]:
+    """The job's model with the weights of checkpoint `round_no` (default: the newest).
+
+    What serving loads to answer with a model a training job trained. Returns
+    the model and the round it holds.
+
+    Raises:
+        ConfigError: Unknown job, or no committed checkpoint (of that round).
+        CheckpointError: The checkpoint does not match the job's model.
+
+    """
+    spec = _job_spec(store, job_id)
+    chosen = _pick_round(store, job_id, round_no)
+    zoo = build_model(spec.model, spec.seed, allowed_modules)
+    full = zoo.full()
+    where = f"checkpoint round {chosen} of job {job_id!r}"
+    full.load_state_dict(
+        _ordered_like(full.state_dict(), load_full_state(store, job_id, chosen), where)
+    )
+    return zoo, chosen
 
 
 def export_weights(

@@ -18,8 +18,9 @@ from torch import Tensor
 from common.errors import ConfigError
 from common.galaxy.config import TransformerConfig, layer_key
 from common.galaxy.model import init_weights
+from common.store import Store
 
-__all__ = ["build", "shard", "transformers_model", "transformers_weights"]
+__all__ = ["build", "from_checkpoint", "shard", "transformers_model", "transformers_weights"]
 
 
 def transformers_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
@@ -82,6 +83,27 @@ def build(source: str, config: TransformerConfig, seed: int) -> dict[str, Tensor
     if source == "transformers":
         return transformers_weights(config, seed)
     raise ConfigError(f"source must be init or transformers to build weights, got {source!r}")
+
+
+def from_checkpoint(
+    store: Store, job: str, round_no: int | None = None
+) -> tuple[TransformerConfig, dict[str, Tensor], int]:
+    """The config and weights a `bert_small` training job committed, and the round.
+
+    The round defaults to the newest committed checkpoint; the served weights
+    are then exactly the trained ones (`asteroid export` writes the same).
+
+    Raises:
+        ConfigError: Unknown job, no committed checkpoint, or a model other than bert_small.
+
+    """
+    from common.export import trained_model  # the zoo and checkpoints: only this source
+
+    zoo, chosen = trained_model(store, job, round_no)
+    from common.galaxy.weights import from_bert_small
+
+    config, w = from_bert_small(zoo)
+    return config, w, chosen
 
 
 def shard(

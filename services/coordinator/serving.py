@@ -24,6 +24,7 @@ from common.galaxy.config import TransformerConfig
 from common.galaxy.cost import BlockProfile
 from common.galaxy.plan import InferencePlan
 from common.galaxy.planner import plan_galaxy, plan_local, plan_megatron, plan_sp
+from common.galaxy.sources import from_checkpoint
 from common.ids import DeviceId
 from common.lifecycle import JobState, advance
 from common.logging import bind_global, get_logger
@@ -148,11 +149,15 @@ class ServeRun:
         return alive
 
     def _shape(self) -> TransformerShape:
+        """The served shape; a checkpoint's is read from it, and its round pinned."""
         if self.spec.model is not None:
             return self.spec.model
-        raise ConfigError(
-            f"serving job {self.spec.serve_id}: source {self.spec.source} needs `model`"
-        )
+        if self.spec.job is None:  # the spec's validator makes this unreachable
+            raise ConfigError(f"serving job {self.spec.serve_id} names no model and no job")
+        config, _, chosen = from_checkpoint(self.coord.store, self.spec.job, self.spec.round)
+        self.spec = self.spec.model_copy(update={"round": chosen})
+        log.info("serving a checkpoint", trained_by=self.spec.job, round=chosen)
+        return TransformerShape.of(config)
 
     def _profile(self, devices: list[DeviceId], shape: TransformerShape) -> dict[str, BlockProfile]:
         """Every device times the blocks at the sizes a plan may give it."""

@@ -131,15 +131,6 @@ class Worker:
         self.dispatcher = Dispatcher(self.ctx, self.device, keys)
         self.bulk = Dispatcher(self.ctx, self.device, keys, session="bulk")
         self.stopping = threading.Event()
-        self.serving = Serving(
-            self.ctx,
-            self.device,
-            keys,
-            settings.pool_max_bytes,
-            settings.task_timeout_s,
-            lambda: "the worker is stopping" if self.stopping.is_set() else None,
-        )
-        self.receiver.tiles = self.serving.inbox
         self.control = ControlLink(
             self.ctx,
             settings.coordinator,
@@ -161,6 +152,16 @@ class Worker:
         # The worker's own Redis URL and credentials (its per-role ACL user), never the
         # coordinator's: assignments name no Redis. redis-py connects on first use.
         self.store = Store(settings.redis_url, settings.cluster)
+        self.serving = Serving(
+            self.ctx,
+            self.device,
+            keys,
+            settings.pool_max_bytes,
+            settings.task_timeout_s,
+            lambda: "the worker is stopping" if self.stopping.is_set() else None,
+            self.store,
+        )
+        self.receiver.tiles = self.serving.inbox
 
     def _heartbeat(self) -> Heartbeat:
         r = self.runner

@@ -37,6 +37,7 @@ from common.serving_messages import (
     RunInference,
     ShardLoaded,
 )
+from common.store import Store
 from services.worker.tiles import Expecting, TileInbox, ZmqRing
 from services.worker.transport import Dispatcher
 
@@ -68,8 +69,11 @@ class Serving:
         max_bytes: int,
         timeout_s: float,
         stopped: Callable[[], str | None],
+        store: Store,
     ) -> None:
         self.device = device
+        self.store = store
+        """Redis, for the checkpoints a trained model is served from."""
         self.inbox = TileInbox(max_bytes)
         self.dispatcher = Dispatcher(ctx, device, keys, session="serve")
         self.timeout_s = timeout_s
@@ -94,10 +98,13 @@ class Serving:
             raise ConfigError(f"plan of {msg.serve_id} runs on {plan.devices}, not {self.device}")
         config = msg.model.config()
         plan.check(config)
-        if msg.spec.source == "checkpoint":
-            raise ConfigError("serving a training checkpoint is not supported yet")
         rank = plan.devices.index(self.device)
-        weights = sources.build(msg.spec.source, config, msg.spec.seed)
+        if msg.spec.source == "checkpoint" and msg.spec.job is not None:
+            trained, weights, _ = sources.from_checkpoint(self.store, msg.spec.job, msg.spec.round)
+            if trained != config:
+                raise ConfigError(f"checkpoint of {msg.spec.job} is {trained}, planned {config}")
+        else:
+            weights = sources.build(msg.spec.source, config, msg.spec.seed)
         if plan.mode in ("galaxy", "megatron"):
             weights = sources.shard(weights, config, plan.head_range(rank), plan.col_range(rank))
         devices = [DeviceId(d) for d in plan.devices]

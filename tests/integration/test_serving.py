@@ -15,10 +15,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from common.checkpoint import commit_checkpoint, save_stage
 from common.galaxy import model
+from common.job import JobSpec
 from common.messages import CancelJob
 from common.serving_messages import InferReply, ServeModel, ServeSpec, TransformerShape
 from common.settings import CoordinatorSettings
+from common.zoo import build_model
 from services.cli.client import ask_coordinator
 from services.cli.serve import infer_request
 from services.coordinator.service import Coordinator
@@ -160,3 +163,37 @@ def test_a_request_for_a_job_that_is_not_serving_is_refused_at_once(serving):
         serving.coord.pump(0.1)
     assert len(replies) == 1 and not replies[0].ok
     assert "no serving job nothing-here is running" in replies[0].error
+
+
+def test_a_trained_bert_small_checkpoint_is_served_with_its_trained_weights(serving):
+    """The checkpoint a training job commits is what the devices serve (split by heads)."""
+    store = serving.coord.store
+    job = JobSpec.model_validate(
+        {
+            "job_id": "trained",
+            "model": {
+                "name": "bert_small",
+                "num_classes": 3,
+                "options": {"vocab_size": 50, "seq_len": 16, "hidden": 48, "heads": 6, "layers": 2},
+            },
+            "seed": 5,
+            "rounds": 1,
+        }
+    )
+    store.put_json(job.model_dump(mode="json"), "jobspec", job.job_id)
+    zoo = build_model(job.model, job.seed)
+    with torch.no_grad():  # what training did to it: weights unlike any seeded initialisation
+        for p in zoo.full().parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    full = zoo.full()
+    save_stage(store, job.job_id, 2, full, None, 0)
+    commit_checkpoint(store, job.job_id, 2, len(zoo.layers))
+    spec = ServeSpec(serve_id="served", source="checkpoint", job="trained", seq_len=16)
+    serving.start(spec)
+    ids = [(7 * i) % 50 for i in range(16)]
+    reply = infer_request(serving.cluster.addr, "served", ids)
+    assert reply.ok, reply.error
+    with torch.no_grad():
+        want = full.eval()(torch.tensor([ids]))[0]
+    assert torch.allclose(torch.tensor(reply.logits), want, atol=1e-5, rtol=0)
+    serving.stop("served")

@@ -9,16 +9,19 @@ from common.job import load_job
 from common.plan import Plan
 from services.cli import app
 from services.cli.example_files import DEMO_JOB, example_names, example_path
+from services.cli.serve import load_serve_spec
 from services.cli.testbed import PRESET_NAMES, _short
 from services.testbed.spec import PRESETS
 
 
 def test_the_examples_are_package_data_that_load():
     names = example_names()
-    assert {DEMO_JOB, "job-small-cnn.yaml", "plan-hybrid-5.json"} <= set(names)
+    assert {DEMO_JOB, "job-small-cnn.yaml", "plan-hybrid-5.json", "serve-gpt2.yaml"} <= set(names)
     for name in names:
         with example_path(name) as path:
-            if name.endswith(".yaml"):
+            if name.startswith("serve-"):
+                assert load_serve_spec(path).serve_id
+            elif name.endswith(".yaml"):
                 assert load_job(path).job_id
             else:
                 assert Plan.model_validate_json(path.read_text()).stages

@@ -66,6 +66,9 @@ bench-adapt:  ## adaptation on the edge testbed (root): a device throttled mid-j
 bench-elastic:  ## join and drain on the edge testbed (root), against fresh 4- and 3-device plans
 	$(BIN)/python -m tests.bench.bench_elastic --out bench-results/elastic
 
+bench-galaxy:  ## Galaxy serving on the edge testbed (root): galaxy, megatron, sp, local; links swept
+	$(BIN)/python -m tests.bench.bench_galaxy --out bench-results/galaxy
+
 ARCH ?= amd64
 
 images:  ## container images (worker, control, redis) from Debian packages and a wheelhouse; ARCH=amd64

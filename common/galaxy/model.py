@@ -7,6 +7,7 @@ ranges: any disagreement is then a bug in the splitting, not in the model.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 
 import torch
@@ -17,7 +18,14 @@ from common.galaxy import blocks
 from common.galaxy.config import TransformerConfig
 from common.galaxy.weights import expected_shapes
 
-__all__ = ["KVCache", "forward", "generate", "init_weights", "weight_bytes"]
+__all__ = [
+    "KVCache",
+    "forward",
+    "generate",
+    "init_tensor",
+    "init_weights",
+    "weight_bytes",
+]
 
 _INIT_STD = 0.02  # BERT's and GPT-2's initializer range
 _FLOAT32_BYTES = 4
@@ -80,22 +88,27 @@ class KVCache:
         return k, v
 
 
+def init_tensor(name: str, shape: tuple[int, ...], seed: int) -> Tensor:
+    """One tensor of `init_weights`: N(0, 0.02) matrix or embedding, zero bias, unit LayerNorm.
+
+    Each tensor has its own generator, seeded from `seed` and its name, so a
+    device can build only its shard, one tensor at a time, and still hold
+    exactly the values the whole model would have.
+    """
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:  # a LayerNorm scale
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.randn(shape, generator=gen) * _INIT_STD
+
+
 def init_weights(config: TransformerConfig, seed: int) -> dict[str, Tensor]:
     """Random weights as BERT and GPT-2 initialise them, deterministic in `seed`.
 
-    N(0, 0.02) matrices and embeddings, zero biases, unit LayerNorm; a private
-    generator leaves the global RNG alone.
+    Private generators (`init_tensor`) leave the global RNG alone.
     """
-    gen = torch.Generator().manual_seed(seed)
-    w: dict[str, Tensor] = {}
-    for name, shape in expected_shapes(config).items():
-        if name.endswith(".bias"):
-            w[name] = torch.zeros(shape)
-        elif len(shape) == 1:  # a LayerNorm scale
-            w[name] = torch.ones(shape)
-        else:
-            w[name] = torch.randn(shape, generator=gen) * _INIT_STD
-    return w
+    return {name: init_tensor(name, shape, seed) for name, shape in expected_shapes(config).items()}
 
 
 def forward(

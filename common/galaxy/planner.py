@@ -29,6 +29,7 @@ __all__ = [
     "plan_local",
     "plan_megatron",
     "plan_sp",
+    "require_capacity",
     "require_fit",
 ]
 
@@ -109,6 +110,34 @@ def require_fit(
     problems = fits(plan, config, budgets, dtype_bytes)
     if problems:
         raise PlanError(f"{plan.mode} plan does not fit: " + "; ".join(problems))
+
+
+def require_capacity(
+    config: TransformerConfig, budgets: Mapping[str, int], seq_len: int, dtype_bytes: int = 4
+) -> None:
+    """Refuse a model that no split over these devices can hold, before anyone profiles it.
+
+    Every device holds the embeddings and head whole (and one layer's working
+    memory); the heads and MLP columns are what is split. If even all the
+    room the budgets leave above that cannot take them, no plan fits, and
+    timing the blocks on the devices would only waste their memory.
+
+    Raises:
+        PlanError: Naming what the model needs and what the devices have, in MiB.
+
+    """
+    fixed = device_memory_bytes(config, seq_len, 0, 0, 0, dtype_bytes=dtype_bytes)
+    whole = device_memory_bytes(
+        config, seq_len, config.heads, config.ffn, seq_len, dtype_bytes=dtype_bytes
+    )
+    room = sum(max(0, b - fixed) for b in budgets.values())
+    if whole - fixed > room:
+        have = ", ".join(f"{d} {b // MiB} MiB" for d, b in sorted(budgets.items()))
+        raise PlanError(
+            f"no split fits: the model's layers need {math.ceil((whole - fixed) / MiB)} MiB "
+            f"beyond the {math.ceil(fixed / MiB)} MiB every device holds whole, and the "
+            f"devices have {room // MiB} MiB above that ({have})"
+        )
 
 
 def _shortfall(name: str, need: int, has: int) -> str:

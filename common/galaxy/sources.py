@@ -1,11 +1,14 @@
 """The served weights a device builds from a serving spec, and the part of them it keeps.
 
-Every device builds the same weights from the same source (a seeded random
+Every device builds its weights from the same source (a seeded random
 initialisation, a seeded `transformers` model, or a training checkpoint), so
-no weights cross the network at load time; then it keeps only its shard
-(`shard`): under a weight-splitting plan a device holds its heads' rows of
-Q, K, V and columns of O, and its MLP columns of `up` and `down`, which is
-what lets a model too big for any one device be served (Galaxy Eq. 5).
+no weights cross the network at load time, and keeps only its shard: under a
+weight-splitting plan a device holds its heads' rows of Q, K, V and columns of
+O, and its MLP columns of `up` and `down`, which is what lets a model too big
+for any one device be served (Galaxy Eq. 5). A seeded initialisation is built
+tensor by tensor (`init_shard`), so the whole model never exists on a device;
+the other two sources build it whole first (transformers builds whole models,
+and a checkpoint is read whole).
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError
-from common.galaxy.config import TransformerConfig, layer_key
-from common.galaxy.model import init_weights
+from common.galaxy.config import TransformerConfig
+from common.galaxy.model import init_tensor
+from common.galaxy.weights import expected_shapes, from_bert_small, from_transformers
 from common.store import Store
 
-__all__ = ["build", "from_checkpoint", "shard", "transformers_model", "transformers_weights"]
+__all__ = [
+    "from_checkpoint",
+    "init_shard",
+    "shard",
+    "transformers_model",
+    "transformers_weights",
+]
 
 
 def transformers_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
@@ -68,21 +78,10 @@ def transformers_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
 
 def transformers_weights(config: TransformerConfig, seed: int) -> dict[str, Tensor]:
     """Our weights of `transformers_model(config, seed)`."""
-    from common.galaxy.weights import from_transformers
-
     got, w = from_transformers(transformers_model(config, seed))
     if got != config:
         raise ConfigError(f"transformers built {got}, asked for {config}")
     return w
-
-
-def build(source: str, config: TransformerConfig, seed: int) -> dict[str, Tensor]:
-    """The full weights of a seeded source ("init" or "transformers")."""
-    if source == "init":
-        return init_weights(config, seed)
-    if source == "transformers":
-        return transformers_weights(config, seed)
-    raise ConfigError(f"source must be init or transformers to build weights, got {source!r}")
 
 
 def from_checkpoint(
@@ -100,10 +99,24 @@ def from_checkpoint(
     from common.export import trained_model  # the zoo and checkpoints: only this source
 
     zoo, chosen = trained_model(store, job, round_no)
-    from common.galaxy.weights import from_bert_small
-
     config, w = from_bert_small(zoo)
     return config, w, chosen
+
+
+def _cut(name: str, tensor: Tensor, config: TransformerConfig, heads: range, cols: range) -> Tensor:
+    """The part of model tensor `name` a device keeps for `heads` and MLP `cols`."""
+    d = config.head_dim
+    rows, ffn = slice(heads.start * d, heads.stop * d), slice(cols.start, cols.stop)
+    kind = name.split(".", 2)[2] if name.startswith("layers.") else ""  # "layers.3.q.weight"
+    if kind in ("q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias"):
+        return tensor[rows].clone()
+    if kind == "o.weight":
+        return tensor[:, rows].clone()
+    if kind in ("up.weight", "up.bias"):
+        return tensor[ffn].clone()
+    if kind == "down.weight":
+        return tensor[:, ffn].clone()
+    return tensor
 
 
 def shard(
@@ -115,16 +128,18 @@ def shard(
     `cols`, `down` its columns. Every other tensor is kept whole. Slices are
     copied, so the full tensors can be freed.
     """
-    d = config.head_dim
-    rows = slice(heads.start * d, heads.stop * d)
-    ffn = slice(cols.start, cols.stop)
-    out = dict(w)
-    for i in range(config.layers):
-        for name in ("q", "k", "v"):
-            out[layer_key(i, f"{name}.weight")] = w[layer_key(i, f"{name}.weight")][rows].clone()
-            out[layer_key(i, f"{name}.bias")] = w[layer_key(i, f"{name}.bias")][rows].clone()
-        out[layer_key(i, "o.weight")] = w[layer_key(i, "o.weight")][:, rows].clone()
-        out[layer_key(i, "up.weight")] = w[layer_key(i, "up.weight")][ffn].clone()
-        out[layer_key(i, "up.bias")] = w[layer_key(i, "up.bias")][ffn].clone()
-        out[layer_key(i, "down.weight")] = w[layer_key(i, "down.weight")][:, ffn].clone()
-    return out
+    return {name: _cut(name, t, config, heads, cols) for name, t in w.items()}
+
+
+def init_shard(
+    config: TransformerConfig, seed: int, heads: range, cols: range
+) -> dict[str, Tensor]:
+    """`shard(init_weights(config, seed), ...)` without ever holding the whole model.
+
+    Tensor by tensor (`model.init_tensor`), so the peak is the shard plus one
+    full tensor: a device serves its part of a model it could not hold whole.
+    """
+    return {
+        name: _cut(name, init_tensor(name, shape, seed), config, heads, cols)
+        for name, shape in expected_shapes(config).items()
+    }

@@ -23,7 +23,13 @@ from common.errors import AsteroidError, ConfigError
 from common.galaxy.config import TransformerConfig
 from common.galaxy.cost import BlockProfile
 from common.galaxy.plan import InferencePlan
-from common.galaxy.planner import plan_galaxy, plan_local, plan_megatron, plan_sp
+from common.galaxy.planner import (
+    plan_galaxy,
+    plan_local,
+    plan_megatron,
+    plan_sp,
+    require_capacity,
+)
 from common.galaxy.sources import from_checkpoint
 from common.ids import DeviceId
 from common.lifecycle import JobState, advance
@@ -111,6 +117,7 @@ class ServeRun:
             self.coord.wait_for_devices(devices, JOIN_TIMEOUT_S)
             shape = self._shape()
             config = shape.config()
+            require_capacity(config, self._budgets(devices), self.spec.seq_len)
             self._advance("profiling")
             profiles = self._profile(devices, shape)
             self._advance("planning")

@@ -103,10 +103,14 @@ class Serving:
             trained, weights, _ = sources.from_checkpoint(self.store, msg.spec.job, msg.spec.round)
             if trained != config:
                 raise ConfigError(f"checkpoint of {msg.spec.job} is {trained}, planned {config}")
-        else:
-            weights = sources.build(msg.spec.source, config, msg.spec.seed)
-        if plan.mode in ("galaxy", "megatron"):
             weights = sources.shard(weights, config, plan.head_range(rank), plan.col_range(rank))
+        elif msg.spec.source == "init":  # tensor by tensor: the whole model is never here
+            weights = sources.init_shard(
+                config, msg.spec.seed, plan.head_range(rank), plan.col_range(rank)
+            )
+        else:
+            full = sources.transformers_weights(config, msg.spec.seed)
+            weights = sources.shard(full, config, plan.head_range(rank), plan.col_range(rank))
         devices = [DeviceId(d) for d in plan.devices]
         missing = [d for d in devices if d not in msg.peers]
         if missing:

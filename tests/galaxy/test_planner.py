@@ -20,6 +20,7 @@ from common.galaxy.planner import (
     plan_local,
     plan_megatron,
     plan_sp,
+    require_capacity,
     require_fit,
 )
 
@@ -106,6 +107,20 @@ def test_impossible_budgets_fail_naming_the_device_and_shortfall():
     assert f"has {budgets['b'] // MiB} MiB" in text
     need = int(text.split("b needs ")[1].split(" MiB")[0])
     assert need * MiB > budgets["b"]
+
+
+def test_a_model_no_split_can_hold_is_refused_before_profiling():
+    """The capacity check agrees with the planner: it passes where a plan fits, not below."""
+    whole, fixed = _need(CONFIG.heads, CONFIG.ffn, SEQ), _need(0, 0, 0)
+    enough = {"a": fixed + (whole - fixed) // 2 + MiB, "b": fixed + (whole - fixed) // 2 + MiB}
+    require_capacity(CONFIG, enough, SEQ)
+    profiles = {"a": _profile("a"), "b": _profile("b")}
+    assert fits(plan_galaxy(CONFIG, ["a", "b"], profiles, enough, SEQ), CONFIG, enough) == []
+    short = {"a": fixed + (whole - fixed) // 3, "b": fixed + (whole - fixed) // 3}
+    with pytest.raises(PlanError, match=r"no split fits: .* the devices have \d+ MiB above that"):
+        require_capacity(CONFIG, short, SEQ)
+    with pytest.raises(PlanError):
+        plan_galaxy(CONFIG, ["a", "b"], profiles, short, SEQ)
 
 
 @settings(max_examples=60, deadline=None)

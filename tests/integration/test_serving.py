@@ -50,6 +50,8 @@ ENCODER = TransformerShape(
     num_classes=5,
 )
 WORKERS = ["a", "b", "c"]
+BUDGET = 256 << 20
+"""Each worker's memory budget: the models here need a few MiB."""
 
 
 class Serving:
@@ -89,6 +91,8 @@ def serving(tmp_path, redis_url, cluster_name) -> Iterator[Serving]:
             bind=cluster.addr, redis_url=redis_url, cluster=cluster_name, heartbeat_s=0.3
         )
     )
+    # budgets as small as an edge device's, so a model beyond them is refused, not tried
+    cluster.env["ASTEROID_MEMORY_BUDGET"] = str(BUDGET)
     try:
         cluster.start_workers(WORKERS)
         coord.wait_for_devices([*WORKERS], 60)  # type: ignore[list-item]
@@ -197,3 +201,25 @@ def test_a_trained_bert_small_checkpoint_is_served_with_its_trained_weights(serv
         want = full.eval()(torch.tensor([ids]))[0]
     assert torch.allclose(torch.tensor(reply.logits), want, atol=1e-5, rtol=0)
     serving.stop("served")
+
+
+def test_a_model_the_devices_cannot_hold_fails_naming_what_it_needs(serving):
+    huge = TransformerShape(
+        kind="decoder",
+        layers=64,
+        hidden=2048,
+        heads=16,
+        ffn=8192,
+        vocab_size=1000,
+        max_positions=512,
+        ln_eps=1e-5,
+    )
+    spec = ServeSpec(serve_id="huge", model=huge, seq_len=64)
+    serving.start(spec)
+    serving.thread.join(60)  # it fails at planning, before any device allocates a layer
+    assert not serving.thread.is_alive()
+    fields = serving.coord.store.get_fields("job", "huge")
+    assert fields["state"] == "failed"
+    assert "no split fits: the model's layers need" in fields["error"]
+    events = serving.coord.store.r.xrange(serving.coord.store.key("events", "huge"))
+    assert b"profiling" not in b" ".join(v for _, e in events for v in e.values())

@@ -1,0 +1,218 @@
+"""What bench-galaxy measures, as data: the models, one measured cell, and the pure checks.
+
+A cell is one serving job (testbed, model, mode, link) and its requests. The
+checks that need no testbed live here too: the memory-unaware plans each mode
+would run and whether they fit the budgets the workers report (the paper marks
+the ones that do not as OOM), the cost model's prediction of a plan, and how
+long Algorithm 1 takes to plan.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.errors import ConfigError, PlanError
+from common.galaxy.config import TransformerConfig
+from common.galaxy.cost import BlockProfile, predict
+from common.galaxy.plan import InferencePlan
+from common.galaxy.planner import fits, plan_galaxy, plan_local, plan_megatron, plan_sp
+from common.galaxy.profiling import profile_blocks, scaled
+from common.serving_messages import TransformerShape
+from services.coordinator.serving import profile_sizes
+
+__all__ = [
+    "MODELS",
+    "MODES",
+    "SEQ_LEN",
+    "VOCAB",
+    "Cell",
+    "ModelSize",
+    "device_profiles",
+    "host_profile",
+    "memory_unaware_plan",
+    "planning_time_s",
+    "predicted_s",
+    "request_ids",
+    "shape",
+]
+
+SEQ_LEN = 284
+"""Tokens per request: QNLI's average, the paper's sequence length."""
+VOCAB = 1000
+"""Small on purpose: the LM head and embeddings are not what Galaxy splits."""
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A served model's shape before the layer count is chosen."""
+
+    kind: str
+    hidden: int
+    heads: int
+    ffn: int
+    layers: int
+    """The real model's layer count (a run may serve fewer: latency adds up per layer)."""
+
+
+MODELS: dict[str, ModelSize] = {
+    "bert_small": ModelSize("encoder", 512, 8, 2048, 4),
+    "distilbert": ModelSize("encoder", 768, 12, 3072, 6),
+    "gpt2": ModelSize("decoder", 768, 12, 3072, 12),
+}
+MODES = ("galaxy", "galaxy-no-overlap", "megatron", "sp", "local")
+"""Labels of the modes compared; galaxy-no-overlap is galaxy with tile overlap off."""
+
+
+def shape(model: str, layers: int) -> TransformerShape:
+    """The served shape of `model` with `layers` layers, for SEQ_LEN-token requests.
+
+    Raises:
+        ConfigError: Unknown model or a layer count below 1.
+
+    """
+    size = MODELS.get(model)
+    if size is None:
+        raise ConfigError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+    if layers < 1:
+        raise ConfigError(f"layers must be >= 1, got {layers}")
+    return TransformerShape(
+        kind="encoder" if size.kind == "encoder" else "decoder",
+        layers=layers,
+        hidden=size.hidden,
+        heads=size.heads,
+        ffn=size.ffn,
+        vocab_size=VOCAB,
+        max_positions=SEQ_LEN,
+        ln_eps=1e-12 if size.kind == "encoder" else 1e-5,
+    )
+
+
+def request_ids(n: int = SEQ_LEN, vocab: int = VOCAB) -> list[int]:
+    """A fixed prompt: latency does not depend on the token values, only on their count."""
+    return [(7 * i + 3) % vocab for i in range(n)]
+
+
+@dataclass
+class Cell:
+    """One serving job of the bench and what it measured."""
+
+    part: str
+    """grid (env x model x mode), sweep (bandwidths on one env) or memory."""
+    env: str
+    model: str
+    layers: int
+    mode: str
+    """One of MODES."""
+    link_mbit: float
+    state: str = "skipped"
+    """ok, oom (plan does not fit the budgets, not run), failed or skipped."""
+    latencies_s: list[float] = field(default_factory=list)
+    """Each request after the warm-up: the coordinator's send-to-answer time."""
+    median_s: float | None = None
+    predicted_s: float | None = None
+    """The cost model's latency for the plan run, from the bench's device profiles."""
+    predicted_comm_s: float | None = None
+    """Its ring communication part (before overlap hides any)."""
+    plan: dict[str, Any] | None = None
+    setup_s: float | None = None
+    """ServeModel to running: profiling, planning and loading on the devices."""
+    note: str = ""
+
+    @property
+    def overlap(self) -> bool:
+        """Whether galaxy's tile overlap is on (ignored by the other modes)."""
+        return self.mode != "galaxy-no-overlap"
+
+    @property
+    def spec_mode(self) -> str:
+        """The `ServeSpec.mode` of this cell."""
+        return "galaxy" if self.mode.startswith("galaxy") else self.mode
+
+    @property
+    def per_layer_ms(self) -> float | None:
+        """Median latency per Transformer layer, in ms (embeddings and head included)."""
+        return None if self.median_s is None else 1000 * self.median_s / self.layers
+
+
+def host_profile(config: TransformerConfig, repeats: int = 3) -> BlockProfile:
+    """This machine's block times at the sizes the coordinator asks devices for, one thread."""
+    return profile_blocks(
+        config,
+        SEQ_LEN,
+        profile_sizes(config.heads),
+        profile_sizes(config.ffn),
+        profile_sizes(SEQ_LEN),
+        repeats,
+        device="host",
+    )
+
+
+def device_profiles(host: BlockProfile, cpus: Mapping[str, float]) -> dict[str, BlockProfile]:
+    """Each device's profile as its CPU quota makes it: the host's, `1 / cores` times slower.
+
+    A quota of `c` cores lets a one-thread worker run a fraction `c` of the time,
+    so compute-bound blocks take `1 / c` as long (never faster than the host).
+    """
+    return {name: scaled(host, max(1.0, 1.0 / cpu), name) for name, cpu in cpus.items()}
+
+
+def memory_unaware_plan(
+    mode: str,
+    config: TransformerConfig,
+    devices: Sequence[str],
+    profiles: Mapping[str, BlockProfile],
+    budgets: Mapping[str, int],
+) -> tuple[InferencePlan | None, list[str]]:
+    """The plan `mode` makes without looking at memory, and who runs out of it (empty: fits).
+
+    Megatron and sp split without regard to memory, so their plan is checked
+    against the budgets afterwards; galaxy's Algorithm 1 and the local baseline
+    choose with the budgets and fail only when nothing fits.
+    """
+    names = list(devices)
+    try:
+        if mode.startswith("galaxy"):
+            plan = plan_galaxy(config, names, profiles, budgets, SEQ_LEN, overlap=mode == "galaxy")
+            return plan, []
+        if mode == "local":
+            return plan_local(config, names, profiles, budgets, SEQ_LEN), []
+    except PlanError as exc:
+        return None, [str(exc)]
+    if mode == "megatron":
+        plan = plan_megatron(config, names, SEQ_LEN)
+    elif mode == "sp":
+        plan = plan_sp(config, names, SEQ_LEN)
+    else:
+        raise ConfigError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    return plan, fits(plan, config, budgets)
+
+
+def predicted_s(
+    plan: InferencePlan,
+    config: TransformerConfig,
+    profiles: Mapping[str, BlockProfile],
+    bandwidth_bps: float,
+) -> tuple[float, float]:
+    """The cost model's (total, communication) seconds of one request under `plan`."""
+    p = predict(plan, config, profiles, bandwidth_bps)
+    return p.total_s, p.comm_s
+
+
+def planning_time_s(
+    config: TransformerConfig,
+    profiles: Mapping[str, BlockProfile],
+    budgets: Mapping[str, int],
+    repeats: int = 20,
+) -> float:
+    """Median seconds of one Algorithm 1 run (`plan_galaxy`) over the given devices."""
+    names = list(profiles)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        plan_galaxy(config, names, profiles, budgets, SEQ_LEN)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,0 +1,160 @@
+"""bench-galaxy's testbed side: serve one cell on the running testbed, change link rates.
+
+A cell is a serving job sent as `asteroid serve` sends it (`ServeModel`),
+awaited until the coordinator reports it running (profiled, planned, loaded),
+then one warm-up and a few requests the way programs send them
+(`infer_request`), then cancelled. The plan the coordinator ran is read from
+the job's hash and priced by the cost model beside the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Mapping
+
+from common.errors import AsteroidError
+from common.galaxy.cost import BlockProfile
+from common.galaxy.plan import InferencePlan
+from common.ids import DeviceId
+from common.messages import CancelJob
+from common.serving_messages import ServeModel, ServeSpec
+from common.store import Store
+from services.cli.client import ask_coordinator
+from services.cli.serve import infer_request
+from services.testbed import net
+from services.testbed.bed import Testbed
+from tests.bench.bench_recovery import restart
+from tests.bench.galaxy_cells import Cell, memory_unaware_plan, predicted_s, request_ids, shape
+
+__all__ = ["serve_cell", "set_link"]
+
+SETUP_TIMEOUT_S = 900.0
+"""Profiling, planning and loading a shard on a 0.137-core device take minutes at worst."""
+REQUEST_TIMEOUT_S = 600.0
+END_TIMEOUT_S = 60.0
+ENDED = ("running", "failed", "cancelled", "done")
+
+
+def set_link(bed: Testbed, bandwidth_bps: float) -> None:
+    """Give every device's link (both ends) a new rate, in place: no service restarts.
+
+    The testbed's own shaping commands are reused with `add` turned into
+    `change` for the carrying class, its queue (sized to the new rate) and the
+    drop class, so the shaping is what a testbed built at this rate would have.
+    """
+    for i, d in enumerate(bed.spec.devices):
+        ends = ((net.NS_IFACE, bed.netns(d.name)), (net.host_veth(bed.tag, i), None))
+        for iface, netns in ends:
+            cmds = net.shaping_commands(
+                iface, netns, bandwidth_bps, d.latency_ms, 0.0, bed.netem and d.latency_ms > 0
+            )
+            # [root qdisc, class 1:10, its queue 10:, class 1:20, ...]: change the middle three
+            net.run_all([["change" if a == "add" else a for a in cmd] for cmd in cmds[1:4]])
+
+
+def _wait_state(store: Store, sid: str, states: tuple[str, ...], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = str(store.get_fields("job", sid).get("state", ""))
+        if state in states:
+            return state
+        time.sleep(0.5)
+    raise TimeoutError(f"serving job {sid} did not reach {states} within {timeout_s:.0f} s")
+
+
+def _revive(bed: Testbed, store: Store, cell: Cell, oom_before: Mapping[str, int]) -> None:
+    """Restart the workers a failed job killed; note kernel OOM kills on the cell."""
+    for dev in bed.devices:
+        killed = bed.oom_kills(dev) - oom_before.get(dev, 0)
+        if killed:
+            cell.note += f" {dev}: {killed} OOM kill(s) by its memory cgroup;"
+        worker = bed.procs.get(f"{dev}.worker")
+        if worker is not None and worker.poll() is not None:
+            restart(bed, store, dev)
+
+
+def serve_cell(
+    bed: Testbed,
+    store: Store,
+    cell: Cell,
+    profiles: Mapping[str, BlockProfile],
+    budgets: Mapping[str, int],
+    requests: int,
+    stop: threading.Event,
+) -> Cell:
+    """Serve `cell` on `bed` unless its plan would not fit; fill in what was measured."""
+    served = shape(cell.model, cell.layers)
+    config = served.config()
+    bandwidth = cell.link_mbit * 1e6
+    plan, oom = memory_unaware_plan(cell.mode, config, bed.devices, profiles, budgets)
+    if oom:
+        cell.state, cell.note = "oom", "; ".join(oom)
+        if plan is not None:
+            cell.plan = plan.model_dump(mode="json")
+            cell.predicted_s, cell.predicted_comm_s = predicted_s(plan, config, profiles, bandwidth)
+        return cell
+    sid = f"gx-{cell.env}-{cell.model}-{cell.mode}-{int(cell.link_mbit)}-{time.time_ns() % 10**9}"
+    spec = ServeSpec(
+        serve_id=sid,
+        model=served,
+        seed=1,
+        mode=cell.spec_mode,
+        overlap=cell.overlap,
+        devices=[DeviceId(d) for d in bed.devices],
+        seq_len=len(request_ids()),
+    )
+    oom_before = {d: bed.oom_kills(d) for d in bed.devices}
+    t0 = time.monotonic()
+    reply = ask_coordinator(bed.coordinator, ServeModel(spec=spec), 30)
+    if not reply.ok:
+        cell.state, cell.note = "failed", f"refused: {reply.error}"
+        return cell
+    try:
+        state = _wait_state(store, sid, ENDED, SETUP_TIMEOUT_S)
+        cell.setup_s = time.monotonic() - t0
+        if state != "running":
+            cell.state = "failed"
+            cell.note = str(store.get_fields("job", sid).get("error", state))
+            _revive(bed, store, cell, oom_before)
+            return cell
+        raw = store.get_fields("job", sid).get("plan")
+        if raw is not None:
+            ran = InferencePlan.model_validate_json(_json(raw))
+            cell.plan = ran.model_dump(mode="json")
+            cell.predicted_s, cell.predicted_comm_s = predicted_s(ran, config, profiles, bandwidth)
+        for n in range(requests + 1):
+            if stop.is_set():
+                raise KeyboardInterrupt("bench-galaxy was asked to stop")
+            answer = infer_request(bed.coordinator, sid, request_ids(), 0, REQUEST_TIMEOUT_S)
+            if not answer.ok:
+                raise AsteroidError(f"request {n} failed: {answer.error}")
+            if n:  # the first one warms up
+                cell.latencies_s.append(answer.latency_s)
+        cell.median_s = statistics.median(cell.latencies_s) if cell.latencies_s else None
+        cell.state = "ok"
+    except (AsteroidError, TimeoutError, OSError) as exc:
+        cell.state, cell.note = "failed", str(exc).splitlines()[0]
+        _revive(bed, store, cell, oom_before)
+    finally:
+        _end(bed, store, sid)
+    return cell
+
+
+def _json(raw: object) -> str:
+    """The plan as JSON text: the store decodes hash fields, a nested dict stays one."""
+    return raw if isinstance(raw, str) else json.dumps(raw)
+
+
+def _end(bed: Testbed, store: Store, sid: str) -> None:
+    """Cancel the job (if it still runs) and wait until the coordinator is free again."""
+    state = str(store.get_fields("job", sid).get("state", ""))
+    if state in ("failed", "cancelled", "done"):
+        return
+    try:
+        ask_coordinator(bed.coordinator, CancelJob(job_id=sid), 30)
+        _wait_state(store, sid, ("failed", "cancelled", "done"), END_TIMEOUT_S)
+    except (AsteroidError, TimeoutError, OSError):
+        pass  # the next job's own wait shows whether the coordinator is stuck

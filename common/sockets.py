@@ -101,12 +101,15 @@ def connect_dealer(
     send_timeout_s: float = 30.0,
     keys: CurveKeys | None = None,
     server_key: bytes | None = None,
+    monitor: int = 0,
 ) -> zmq.Socket[Any]:
     """A DEALER with routing identity `identity`, connected to `addr`.
 
     With `keys` it is a CURVE client with that pair of the server whose public
     key is `server_key`; `identity` must then be the key's name (or
-    "NAME/SESSION"), as the server refuses any other.
+    "NAME/SESSION"), as the server refuses any other. `monitor`: the socket
+    events to report on its monitor socket (`get_monitor_socket()` then returns
+    it), attached before connecting so that none of the first connection's is lost.
     """
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     if keys is not None:
@@ -121,6 +124,8 @@ def connect_dealer(
     sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if monitor:
+        sock.get_monitor_socket(monitor)
     sock.connect(addr)
     return sock
 

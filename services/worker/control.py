@@ -98,9 +98,14 @@ class ControlLink(threading.Thread):
         """Relay until stopped; a bad command is logged and dropped."""
         server_key = self.keys.server_key("coordinator", COORDINATOR) if self.keys else None
         sock = connect_dealer(
-            self.ctx, self.coordinator, self.device, keys=self.keys, server_key=server_key
+            self.ctx,
+            self.coordinator,
+            self.device,
+            keys=self.keys,
+            server_key=server_key,
+            monitor=_EVENTS,
         )
-        monitor = sock.get_monitor_socket(_EVENTS)
+        monitor = sock.get_monitor_socket()  # attached before the connection: no event missed
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)

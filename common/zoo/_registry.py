@@ -10,6 +10,7 @@ from common.zoo.bert import build_bert_small
 from common.zoo.cnn import build_small_cnn
 from common.zoo.custom import build_custom, is_custom_name
 from common.zoo.efficientnet import build_efficientnet_b1
+from common.zoo.fl_cnn import build_fl_cnn
 from common.zoo.mlp import build_mlp
 from common.zoo.mobilenet import build_mobilenet_v2
 from common.zoo.resnet import build_resnet18, build_resnet50
@@ -19,6 +20,7 @@ __all__ = ["build_model", "model_names"]
 _BUILDERS: dict[str, Callable[[ModelSpec], ZooModel]] = {
     "bert_small": build_bert_small,
     "efficientnet_b1": build_efficientnet_b1,
+    "fl_cnn": build_fl_cnn,
     "mlp": build_mlp,
     "mobilenet_v2": build_mobilenet_v2,
     "resnet18": build_resnet18,

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 EXPECTED_LAYERS = {
     "bert_small": 6,
+    "fl_cnn": 4,
     "efficientnet_b1": 26,
     "mlp": 4,
     "mobilenet_v2": 20,

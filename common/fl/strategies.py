@@ -1,0 +1,228 @@
+"""The five federation strategies behind one small interface, selected by name.
+
+As in Flower's ``Strategy``, the server hands a strategy the results and failures of
+a round and the strategy decides the new global model; here a "round" is one group's
+synchronous round, and groups run asynchronously of each other. FedAvg is the case of
+one group of all homes, FedAsync that of one group per home.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from torch import Tensor
+
+from common.errors import ConfigError
+from common.fl.aggregate import StalenessKind, async_merge, fedavg, staleness_weight
+from common.fl.grouping import (
+    Groups,
+    GroupState,
+    Regrouped,
+    astraea_groups,
+    fedat_groups,
+    group_homes,
+    regroup,
+)
+
+__all__ = [
+    "STRATEGIES",
+    "Astraea",
+    "EcoFL",
+    "FedAT",
+    "FedAsync",
+    "FedAvg",
+    "FitResult",
+    "Strategy",
+    "make_strategy",
+]
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """One home's local training result.
+
+    Attributes:
+        home: The home's id.
+        state: Its model after local training.
+        num_samples: Its training-set size, FedAvg's weight.
+        base_version: Version of the global model it started from (for staleness).
+
+    """
+
+    home: int
+    state: Mapping[str, Tensor]
+    num_samples: int
+    base_version: int
+
+
+class Strategy(ABC):
+    """Groups homes, aggregates a group's round into the global model, regroups.
+
+    The default aggregation is Eco-FL's: FedAvg inside the group, then an asynchronous
+    merge into the global model with mixing weight ``alpha * s(t - tau)``.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        groups: int = 2,
+        alpha: float = 0.6,
+        staleness: StalenessKind = "polynomial",
+        exponent: float = 0.5,
+        rt_fraction: float = 0.5,
+        latency_weight: float = 1.0,
+    ) -> None:
+        if groups < 1 or not 0.0 < alpha <= 1.0:
+            raise ConfigError(f"need groups >= 1 and alpha in (0, 1], got {groups} and {alpha}")
+        self.groups = groups
+        self.alpha = alpha
+        self.staleness: StalenessKind = staleness
+        self.exponent = exponent
+        self.rt_fraction = rt_fraction
+        self.latency_weight = latency_weight
+
+    @abstractmethod
+    def initial_groups(
+        self, latencies: Sequence[float], histograms: Sequence[Sequence[float]]
+    ) -> Groups:
+        """The grouping the federation starts with."""
+
+    def start(
+        self, latencies: Sequence[float], histograms: Sequence[Sequence[float]]
+    ) -> GroupState:
+        """The server's initial state from the homes' first latencies and histograms."""
+        return GroupState(
+            groups=self.initial_groups(latencies, histograms),
+            latencies=tuple(float(x) for x in latencies),
+            histograms=tuple(tuple(float(c) for c in h) for h in histograms),
+            rt_fraction=self.rt_fraction,
+            latency_weight=self.latency_weight,
+        )
+
+    def aggregate_fit(
+        self,
+        global_state: Mapping[str, Tensor],
+        version: int,
+        results: Sequence[FitResult],
+        failures: Sequence[int],
+    ) -> dict[str, Tensor]:
+        """New global model after a group's round; failed homes simply do not count."""
+        if not results:
+            return {k: v.clone() for k, v in global_state.items()}
+        group_model = fedavg([r.state for r in results], [r.num_samples for r in results])
+        base = min(r.base_version for r in results)
+        weight = self.alpha * staleness_weight(version, base, self.staleness, self.exponent)
+        return async_merge(global_state, group_model, weight)
+
+    def observe(self, state: GroupState, home: int, latency: float) -> Regrouped:
+        """Record a measured latency; static strategies never regroup."""
+        lats = list(state.latencies)
+        lats[home] = latency
+        return Regrouped(replace(state, latencies=tuple(lats)), "stay", state.group_of(home))
+
+
+class FedAvg(Strategy):
+    """All homes in one synchronous round; the sample-weighted average replaces the model."""
+
+    name = "fedavg"
+
+    def initial_groups(
+        self, latencies: Sequence[float], histograms: Sequence[Sequence[float]]
+    ) -> Groups:
+        """One group of every home."""
+        return (tuple(range(len(latencies))),)
+
+    def aggregate_fit(
+        self,
+        global_state: Mapping[str, Tensor],
+        version: int,
+        results: Sequence[FitResult],
+        failures: Sequence[int],
+    ) -> dict[str, Tensor]:
+        """Replace the global model by the average (synchronous, nothing is stale)."""
+        if not results:
+            return {k: v.clone() for k, v in global_state.items()}
+        return fedavg([r.state for r in results], [r.num_samples for r in results])
+
+
+class FedAsync(Strategy):
+    """Every home on its own: each update is merged with a staleness-decayed weight."""
+
+    name = "fedasync"
+
+    def initial_groups(
+        self, latencies: Sequence[float], histograms: Sequence[Sequence[float]]
+    ) -> Groups:
+        """One group per home (``groups`` is ignored)."""
+        return tuple((h,) for h in range(len(latencies)))
+
+
+class FedAT(Strategy):
+    """Latency tiers: synchronous inside a tier, asynchronous across tiers."""
+
+    name = "fedat"
+
+    def initial_groups(
+        self, latencies: Sequence[float], histograms: Sequence[Sequence[float]]
+    ) -> Groups:
+        """FedAT's tiers by response latency."""
+        return fedat_groups(latencies, self.groups)
+
+
+class Astraea(Strategy):
+    """Data-balanced groups (latency ignored): synchronous inside, asynchronous across."""
+
+    name = "astraea"
+
+    def initial_groups(
+        self, latencies: Sequence[float], histograms: Sequence[Sequence[float]]
+    ) -> Groups:
+        """Astraea-style greedy groups whose label mix is closest to the federation's."""
+        return astraea_groups(histograms, self.groups)
+
+
+class EcoFL(Strategy):
+    """Joint latency-and-data groups, regrouped at run time by Algorithm 1."""
+
+    name = "ecofl"
+
+    def initial_groups(
+        self, latencies: Sequence[float], histograms: Sequence[Sequence[float]]
+    ) -> Groups:
+        """Latency tiers refined toward IID groups."""
+        return group_homes(latencies, histograms, self.groups, self.latency_weight)
+
+    def observe(self, state: GroupState, home: int, latency: float) -> Regrouped:
+        """Algorithm 1: move or drop a home whose latency left its group's band."""
+        return regroup(state, home, latency)
+
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (FedAvg, FedAsync, FedAT, Astraea, EcoFL)
+}
+
+
+def make_strategy(
+    name: str,
+    groups: int = 2,
+    alpha: float = 0.6,
+    staleness: StalenessKind = "polynomial",
+    exponent: float = 0.5,
+    rt_fraction: float = 0.5,
+    latency_weight: float = 1.0,
+) -> Strategy:
+    """Build a strategy by name (see `STRATEGIES`).
+
+    Raises:
+        ConfigError: Unknown name or bad parameters.
+
+    """
+    try:
+        cls = STRATEGIES[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown strategy {name!r}: expected one of {', '.join(sorted(STRATEGIES))}"
+        ) from None
+    return cls(groups, alpha, staleness, exponent, rt_fraction, latency_weight)

@@ -14,10 +14,9 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from common.errors import ConfigError, validation_message
+from common.errors import ConfigError
 from common.ids import JobId
 from common.zoo import ModelSpec
 
@@ -275,13 +274,6 @@ def learning_rate(spec: OptimizerSpec, round_no: int, total_rounds: int) -> floa
 
 def load_job(path: Path) -> JobSpec:
     """Read a job spec from YAML or JSON, with an error that names the file and field."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read job {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"job {path}: expected a mapping of fields, got {type(data).__name__}")
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"job {path}: {validation_message(exc)}") from exc
+    from common.spec_files import load_spec_file  # it imports this module's errors only
+
+    return load_spec_file(path, JobSpec, "job")

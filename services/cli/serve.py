@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-import yaml
 from rich.console import Console
 
 from common.errors import AsteroidError, ConfigError
@@ -38,21 +37,10 @@ CoordinatorOpt = Annotated[
 
 def load_serve_spec(path: Path) -> ServeSpec:
     """Read a serving spec from YAML or JSON; the error names the file and the field."""
-    from pydantic import ValidationError
-
-    from common.errors import validation_message
     from common.serving_messages import ServeSpec
+    from common.spec_files import load_spec_file
 
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read serving spec {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"serving spec {path}: expected a mapping, got {type(data).__name__}")
-    try:
-        spec = ServeSpec.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"serving spec {path}: {validation_message(exc)}") from exc
+    spec = load_spec_file(path, ServeSpec, "serving spec")
     if spec.model is not None:
         spec.model.config()  # a shape no plan can split is refused here, not on the devices
     return spec

@@ -43,12 +43,12 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from common.errors import ConfigError, validation_message
+from common.errors import ConfigError
 from common.presets import GALAXY_ENVIRONMENTS, environment, galaxy_devices
 from common.profile import ClusterSpec, DeviceSpec
+from common.spec_files import load_spec_file
 
 __all__ = [
     "CPU_BUDGET",
@@ -248,18 +248,7 @@ class TestbedSpec(BaseModel):
 
 def load_testbed(path: Path) -> TestbedSpec:
     """Read a custom testbed from YAML, with an error naming the file and the field."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read testbed {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"testbed {path}: expected a mapping of fields, got {type(data).__name__}"
-        )
-    try:
-        return TestbedSpec.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"testbed {path}: {validation_message(exc)}") from exc
+    return load_spec_file(path, TestbedSpec, "testbed")
 
 
 def preset(name: str, link: str = "1gbit") -> TestbedSpec:

@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic images test-compose deploy deploy-status undeploy check clean
+.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic bench-galaxy bench-fl images test-compose deploy deploy-status undeploy check clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -68,6 +68,9 @@ bench-elastic:  ## join and drain on the edge testbed (root), against fresh 4- a
 
 bench-galaxy:  ## Galaxy serving on the edge testbed (root): galaxy, megatron, sp, local; links swept
 	$(BIN)/python -m tests.bench.bench_galaxy --out bench-results/galaxy
+
+bench-fl:  ## Eco-FL, FedAvg, FedAsync, FedAT, Astraea on the virtual-clock FL simulator (digits, non-IID)
+	$(BIN)/python -m tests.bench.bench_fl --out bench-results/fl
 
 ARCH ?= amd64
 

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +49,17 @@ from tests.bench.galaxy_cells import (
     shape,
 )
 from tests.bench.galaxy_report import tables, write_charts
-from tests.bench.galaxy_serve import serve_cell, set_link
+from tests.bench.galaxy_serve import fresh_workers, serve_cell, set_link
 
 SUBNET = "10.81.0.0/24"
 """No other testbed bench's subnet: they may share a machine."""
 GRID_MODES = ("galaxy", "megatron", "sp", "local")
 SWEEP_MODES = ("galaxy", "galaxy-no-overlap", "megatron", "sp")
 MEMORY_MODES = ("galaxy", "megatron", "sp", "local")
+BIG_HIDDEN = 768
+"""From this width on every job gets new workers: a worker keeps the last job's weights
+while it loads the next and its heap does not shrink, which a 768-wide model's load
+pushes past a Nano's memory limit (OOM kills seen on Galaxy-D)."""
 
 
 def parse_layers(text: str) -> dict[str, int]:
@@ -195,6 +199,7 @@ def run_env(
         print(f"{env}: testbed up [{time.monotonic() - t0:.0f} s]", flush=True)
         store = Store(bed.redis_url, bed.cluster)
         current = link
+        served: tuple[str, int] | None = None
         try:
             for cell in todo:
                 if past():
@@ -206,7 +211,17 @@ def run_env(
                     current = cell.link_mbit
                 profiles = device_profiles(results.profiles[cell.model], cpus)
                 t1 = time.monotonic()
+                big = MODELS[cell.model].hidden >= BIG_HIDDEN
+                if served and (big or (cell.model, cell.layers) != served):
+                    fresh_workers(bed, store)
+                served = (cell.model, cell.layers)
                 serve_cell(bed, store, cell, profiles, budgets, args.requests, stop)
+                if cell.state == "failed" and not stop.is_set():
+                    first = cell.note.strip()
+                    fresh_workers(bed, store)
+                    cell = replace(cell, state="skipped", latencies_s=[], note="")
+                    serve_cell(bed, store, cell, profiles, budgets, args.requests, stop)
+                    cell.note = f"retried on new workers after: {first}; {cell.note}"
                 results.add(cell)
                 print(
                     f"  {cell.part} {cell.model}({cell.layers}) {cell.mode} {cell.link_mbit:g}M: "

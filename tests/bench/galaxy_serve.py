@@ -26,10 +26,10 @@ from services.cli.client import ask_coordinator
 from services.cli.serve import infer_request
 from services.testbed import net
 from services.testbed.bed import Testbed
-from tests.bench.bench_recovery import restart
+from tests.bench.bench_recovery import REJOIN_TIMEOUT_S, restart, start_profiler
 from tests.bench.galaxy_cells import Cell, memory_unaware_plan, predicted_s, request_ids, shape
 
-__all__ = ["serve_cell", "set_link"]
+__all__ = ["fresh_workers", "serve_cell", "set_link"]
 
 SETUP_TIMEOUT_S = 900.0
 """Profiling, planning and loading a shard on a 0.137-core device take minutes at worst."""
@@ -53,6 +53,29 @@ def set_link(bed: Testbed, bandwidth_bps: float) -> None:
             )
             # [root qdisc, class 1:10, its queue 10:, class 1:20, ...]: change the middle three
             net.run_all([["change" if a == "add" else a for a in cmd] for cmd in cmds[1:4]])
+
+
+def fresh_workers(bed: Testbed, store: Store) -> None:
+    """Replace every device's worker (and profiler) by a new process and wait for its heartbeat.
+
+    A worker keeps the last job's weights until the next job's shard is loaded,
+    and its heap does not shrink back, so a bigger model's load can pass the
+    device's memory limit after a few jobs; a new process starts from an idle
+    worker's footprint, as on a device that serves one model.
+    """
+    t0 = time.time()
+    for dev in bed.devices:
+        bed.kill(dev)
+    for dev in bed.devices:
+        bed.start_worker(dev)
+        start_profiler(bed, dev)
+    deadline = time.monotonic() + REJOIN_TIMEOUT_S
+    for dev in bed.devices:
+        while float(store.get_fields("device", dev).get("seen", 0.0)) <= t0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{dev}'s new worker did not heartbeat in {REJOIN_TIMEOUT_S} s")
+            time.sleep(0.5)
+    time.sleep(2.0)  # a couple more heartbeats: the coordinator counts them alive
 
 
 def _wait_state(store: Store, sid: str, states: tuple[str, ...], timeout_s: float) -> str:

@@ -1,0 +1,221 @@
+"""Our FedAvg against Flower's on the same digits split, model and local training.
+
+Flower's own server loop (`flwr.server.Server`: configure_fit, fit_clients, FedAvg's
+aggregate_fit, centralised evaluate) drives real `NumPyClient`s in process, without ray
+or sockets. Ours are only the proxy that hands a `FitIns` to a local client and a sort
+that gives FedAvg the results in home order (see `OrderedFedAvg`).
+Both sides train each home with `common.fl.simulate.local_train` and the same seeds, so
+the two federations differ only in who averages the models.
+"""
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor, nn
+
+pytest.importorskip("flwr", reason="flwr is not installed: the Flower cross-check needs it")
+
+from flwr.client import Client, NumPyClient
+from flwr.common import (
+    Code,
+    Config,
+    DisconnectRes,
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    GetParametersIns,
+    GetParametersRes,
+    GetPropertiesIns,
+    GetPropertiesRes,
+    NDArrays,
+    Parameters,
+    ReconnectIns,
+    Scalar,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
+from flwr.server import Server, SimpleClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.strategy import FedAvg
+
+from common.fl.aggregate import fedavg
+from common.fl.data import DIGIT_CLASSES, DigitsSplit, dirichlet_split, load_digits_split
+from common.fl.simulate import SimConfig, local_train, round_seed, simulate
+from common.fl.strategies import make_strategy
+from common.zoo import ModelSpec, build_model
+
+CONFIG = SimConfig(
+    round_times=(1.0, 1.5, 2.0, 3.0, 4.0, 6.0),
+    dirichlet_alpha=0.5,
+    updates=15,
+    local_steps=10,
+    seed=3,
+)
+
+
+def _model(cfg: SimConfig) -> nn.Module:
+    spec = ModelSpec(name="fl_cnn", num_classes=DIGIT_CLASSES, options=dict(cfg.model_options))
+    return build_model(spec, seed=cfg.seed).full()
+
+
+def _to_state(keys: list[str], arrays: NDArrays) -> dict[str, Tensor]:
+    return {k: torch.from_numpy(np.array(a, copy=True)) for k, a in zip(keys, arrays, strict=True)}
+
+
+def _accuracy(model: nn.Module, state: Mapping[str, Tensor], x: Tensor, y: Tensor) -> float:
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        return float((model(x).argmax(dim=1) == y).float().mean())
+
+
+class HomeClient(NumPyClient):
+    """One home: trains its split exactly as the simulator's homes do."""
+
+    def __init__(self, home: int, x: Tensor, y: Tensor, cfg: SimConfig) -> None:
+        self.home, self.x, self.y, self.cfg = home, x, y, cfg
+        self.model = _model(cfg)
+        self.keys = list(self.model.state_dict())
+
+    def fit(self, parameters: NDArrays, config: dict[str, Scalar]) -> tuple[NDArrays, int, Config]:
+        round_no = int(config["server_round"]) - 1
+        gen = torch.Generator().manual_seed(round_seed(self.cfg.seed, self.home, round_no))
+        state = _to_state(self.keys, parameters)
+        trained = local_train(self.model, state, self.x, self.y, self.cfg, gen)
+        return [v.numpy() for v in trained.values()], len(self.y), {}
+
+
+class InProcessProxy(ClientProxy):
+    """Hands the server's instructions to a client living in this process."""
+
+    def __init__(self, cid: str, client: Client) -> None:
+        super().__init__(cid)
+        self.client = client
+
+    def get_properties(
+        self, ins: GetPropertiesIns, timeout: float | None, group_id: int | None
+    ) -> GetPropertiesRes:
+        return self.client.get_properties(ins)
+
+    def get_parameters(
+        self, ins: GetParametersIns, timeout: float | None, group_id: int | None
+    ) -> GetParametersRes:
+        return self.client.get_parameters(ins)
+
+    def fit(self, ins: FitIns, timeout: float | None, group_id: int | None) -> FitRes:
+        return self.client.fit(ins)
+
+    def evaluate(
+        self, ins: EvaluateIns, timeout: float | None, group_id: int | None
+    ) -> EvaluateRes:
+        return self.client.evaluate(ins)
+
+    def reconnect(
+        self, ins: ReconnectIns, timeout: float | None, group_id: int | None
+    ) -> DisconnectRes:
+        return DisconnectRes(reason="in process")
+
+
+class OrderedFedAvg(FedAvg):
+    """Flower's FedAvg, handed the results in home order.
+
+    Flower collects results from a set of futures, so their order (hence float32
+    round-off) changes from run to run, and SGD amplifies it over rounds (measured:
+    final weights up to 2e-2 apart, mid-run accuracy up to 4 points). Our simulator
+    sums in home order; giving Flower the same order isolates the averaging itself.
+    """
+
+    def aggregate_fit(
+        self,
+        server_round: int,
+        results: list[tuple[ClientProxy, FitRes]],
+        failures: list[tuple[ClientProxy, FitRes] | BaseException],
+    ) -> tuple[Parameters | None, dict[str, Scalar]]:
+        ordered = sorted(results, key=lambda r: int(r[0].cid))
+        return super().aggregate_fit(server_round, ordered, failures)
+
+
+def run_flower(cfg: SimConfig, data: DigitsSplit) -> tuple[list[float], list[dict[str, Tensor]]]:
+    """Flower FedAvg over every home for ``cfg.updates`` rounds: accuracy and model per round."""
+    homes = len(cfg.round_times)
+    parts = dirichlet_split(data.train_y, homes, cfg.dirichlet_alpha, cfg.seed, cfg.min_size)
+    model = _model(cfg)
+    keys = list(model.state_dict())
+    initial = [v.detach().numpy().copy() for v in model.state_dict().values()]
+    models: list[dict[str, Tensor]] = []
+
+    def evaluate(rnd: int, arrays: NDArrays, _: Config) -> tuple[float, Config]:
+        models.append(_to_state(keys, arrays))
+        return 0.0, {"accuracy": _accuracy(model, models[-1], data.test_x, data.test_y)}
+
+    strategy = OrderedFedAvg(
+        fraction_fit=1.0,
+        fraction_evaluate=0.0,
+        min_fit_clients=homes,
+        min_available_clients=homes,
+        initial_parameters=ndarrays_to_parameters(initial),
+        on_fit_config_fn=lambda rnd: {"server_round": rnd},
+        evaluate_fn=evaluate,
+    )
+    manager = SimpleClientManager()
+    for h, part in enumerate(parts):
+        client = HomeClient(h, data.train_x[part], data.train_y[part], cfg).to_client()
+        manager.register(InProcessProxy(str(h), client))
+    server = Server(client_manager=manager, strategy=strategy)
+    server.set_max_workers(1)  # one torch thread at a time; results do not depend on it
+    history, _ = server.fit(num_rounds=cfg.updates, timeout=None)
+    accuracies = [float(a) for _, a in history.metrics_centralized["accuracy"]]
+    return accuracies, models
+
+
+@pytest.fixture(scope="module")
+def digits() -> DigitsSplit:
+    return load_digits_split(seed=CONFIG.seed)
+
+
+def _flat(state: Mapping[str, Tensor]) -> Tensor:
+    return torch.cat([v.flatten().double() for v in state.values()])
+
+
+def test_flower_fedavg_matches_ours_round_by_round(digits: DigitsSplit) -> None:
+    ours = simulate(make_strategy("fedavg"), CONFIG, digits)
+    flower_acc, flower_models = run_flower(CONFIG, digits)
+    our_acc = [p.accuracy for p in ours.curve]
+    assert len(flower_acc) == len(our_acc) == CONFIG.updates + 1
+    assert flower_acc[0] == our_acc[0]  # the same initial model
+    assert our_acc[-1] > 0.6  # it learned: the comparison is not between two chance levels
+    assert abs(flower_acc[-1] - our_acc[-1]) <= 0.01  # the issue's criterion
+    assert max(abs(f - o) for f, o in zip(flower_acc, our_acc, strict=True)) <= 0.03
+    # Flower sums float32 in place, we in float64: ~1e-7 apart after a round, a gap
+    # that 10 SGD steps a round amplify (measured here: 6e-8 after 5 rounds, 1.2%
+    # relative after 15; accuracies equal for 8 rounds and within 1.6 points after)
+    early = simulate(make_strategy("fedavg"), replace(CONFIG, updates=5), digits)
+    for key, value in early.final_state.items():
+        torch.testing.assert_close(flower_models[5][key], value, rtol=1e-5, atol=1e-6)
+    final, mine = _flat(flower_models[-1]), _flat(ours.final_state)
+    assert float((final - mine).norm() / mine.norm()) < 0.05
+
+
+def test_one_flower_aggregation_equals_our_fedavg(digits: DigitsSplit) -> None:
+    cfg = SimConfig(round_times=(1.0, 2.0, 3.0), updates=1, local_steps=2, seed=3)
+    parts = dirichlet_split(digits.train_y, 3, cfg.dirichlet_alpha, cfg.seed, cfg.min_size)
+    model = _model(cfg)
+    keys = list(model.state_dict())
+    init = ndarrays_to_parameters([v.detach().numpy().copy() for v in model.state_dict().values()])
+    results: list[tuple[ClientProxy, FitRes]] = []
+    for h, part in enumerate(parts):
+        client = HomeClient(h, digits.train_x[part], digits.train_y[part], cfg).to_client()
+        res = client.fit(FitIns(init, {"server_round": 1}))
+        assert res.status.code == Code.OK and res.num_examples == len(part)
+        results.append((InProcessProxy(str(h), client), res))
+    merged, _ = FedAvg().aggregate_fit(1, results, [])
+    assert merged is not None
+    flower = _to_state(keys, parameters_to_ndarrays(merged))
+    states = [_to_state(keys, parameters_to_ndarrays(r.parameters)) for _, r in results]
+    ours = fedavg(states, [len(p) for p in parts])
+    for key, value in ours.items():
+        torch.testing.assert_close(flower[key], value, rtol=1e-6, atol=1e-7)

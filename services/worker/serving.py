@@ -99,6 +99,9 @@ class Serving:
         config = msg.model.config()
         plan.check(config)
         rank = plan.devices.index(self.device)
+        # the previous job's shard goes before the next is built: a device's budget holds one
+        self.served = None
+        self.inbox.expect(None)
         if msg.spec.source == "checkpoint" and msg.spec.job is not None:
             trained, weights, _ = sources.from_checkpoint(self.store, msg.spec.job, msg.spec.round)
             if trained != config:

@@ -42,12 +42,15 @@ def _header(**over):
     return msgpack.packb(h, use_bin_type=True)
 
 
+FUTURE = PROTOCOL_VERSION + 1
+"""A protocol version no peer speaks yet."""
+
 BAD = {
     "garbage": [b"\x00\xff garbage \xc1"],
     "truncated msgpack": [_header()[:-7]],
     "100 GB tensor": [_header(tensors=[["float32", [25_000_000_000], 100_000_000_000]]), b"tiny"],
     "unknown type": [_header(msg={"type": "format_disk", "epoch": 1})],
-    "wrong version": [_header(v=7)],
+    "wrong version": [_header(v=FUTURE)],
     # well-formed but from a plan epoch that does not exist: dropped by the pool
     "stale epoch": encode(
         Activation(epoch=999, round=3, mb=0, stage=1, lo=0, hi=8),
@@ -117,7 +120,7 @@ def test_bad_messages_mid_round_are_logged_and_survived(tmp_path, redis_url, clu
 
     worker_drops = drops("c")
     assert len(worker_drops) == len(BAD), worker_drops
-    assert any("version 7" in e["reason"] for e in worker_drops)
+    assert any(f"version {FUTURE}" in e["reason"] for e in worker_drops)
     assert any("exceeds the limit" in e["reason"] for e in worker_drops)
     assert any("epoch 999" in e["reason"] for e in worker_drops)
     coord_drops = drops("coordinator")
@@ -125,6 +128,11 @@ def test_bad_messages_mid_round_are_logged_and_survived(tmp_path, redis_url, clu
     # any (the 100 GB one and the stale Activation) are refused for their tensor list
     assert len(coord_drops) == len(BAD), coord_drops
     reasons = [e["reason"] for e in coord_drops]
-    expected = {"undecodable header": 2, "bad tensor list": 2, "'format_disk'": 1, "version 7": 1}
+    expected = {
+        "undecodable header": 2,
+        "bad tensor list": 2,
+        "'format_disk'": 1,
+        f"version {FUTURE}": 1,
+    }
     for fragment, count in expected.items():
         assert sum(fragment in r for r in reasons) == count, (fragment, reasons)

@@ -13,7 +13,6 @@ end) or when a device fails; training jobs queued meanwhile wait for it.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -240,8 +239,7 @@ class ServeRun:
             if why is None:
                 self._run_one(plan, req)
             else:
-                reply = InferReply(serve_id=self.spec.serve_id, request=0, ok=False, error=why)
-                self.coord.send(req.peer, reply)
+                self._refuse(req, 0, why)
 
     def _run_one(self, plan: InferencePlan, req: PendingRequest) -> None:
         self.requests += 1
@@ -260,10 +258,7 @@ class ServeRun:
         try:
             done = self.coord.gather(InferenceDone, devices[:1], self.epoch, n, REQUEST_TIMEOUT_S)
         except JobFailed as exc:
-            self.coord.send(
-                req.peer,
-                InferReply(serve_id=self.spec.serve_id, request=n, ok=False, error=str(exc)),
-            )
+            self._refuse(req, n, str(exc))
             raise
         latency = time.monotonic() - started
         out: InferenceDone = done[devices[0]]
@@ -300,16 +295,12 @@ class ServeRun:
             tokens_out=len(out.tokens),
         )
 
+    def _refuse(self, req: PendingRequest, request: int, error: str) -> None:
+        """Answer `req` with `error` instead of an output."""
+        reply = InferReply(serve_id=self.spec.serve_id, request=request, ok=False, error=error)
+        self.coord.send(req.peer, reply)
+
     def _refuse_waiting(self, error: str) -> None:
-        waiting: deque[PendingRequest] = self.coord.infer_queue
+        waiting = self.coord.infer_queue
         while waiting:
-            req = waiting.popleft()
-            self.coord.send(
-                req.peer,
-                InferReply(
-                    serve_id=self.spec.serve_id,
-                    request=0,
-                    ok=False,
-                    error=f"serving job {self.spec.serve_id} ended: {error}",
-                ),
-            )
+            self._refuse(waiting.popleft(), 0, f"serving job {self.spec.serve_id} ended: {error}")

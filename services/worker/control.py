@@ -128,8 +128,6 @@ class ControlLink(threading.Thread):
                 if self._pull in events:
                     self._relay(sock, self._pull.recv_multipart())
                 if sock in events:
-                    # a message is proof of a connection even if its monitor event was missed
-                    self._connection(zmq.EVENT_HANDSHAKE_SUCCEEDED)
                     try:
                         _, env = recv_message(sock, self.limits)
                     except ProtocolError as exc:

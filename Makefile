@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic bench-galaxy bench-fl images test-compose deploy deploy-status undeploy check clean
+.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic bench-galaxy bench-fl bench-fl-homes bench-duanwu images test-compose deploy deploy-status undeploy check clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -16,6 +16,11 @@ install: $(BIN)/python  ## virtual environment with torch (CPU build) and the pr
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# Flower, for the FedAvg cross-check (tests/fl/test_flower.py): its release pins typer
+	# below 0.21, for its own CLI only, while we need typer >= 0.29; so it comes without
+	# its declared dependencies, plus the four its server and client modules import.
+	$(BIN)/pip install --quiet httpx pycryptodome cryptography iterators
+	$(BIN)/pip install --quiet --no-deps flwr==1.42.0
 
 demo: install  ## quick start: embedded Redis, the four services and 4 workers train a small CNN
 	$(BIN)/asteroid demo
@@ -71,6 +76,12 @@ bench-galaxy:  ## Galaxy serving on the edge testbed (root): galaxy, megatron, s
 
 bench-fl:  ## Eco-FL, FedAvg, FedAsync, FedAT, Astraea on the virtual-clock FL simulator (digits, non-IID)
 	$(BIN)/python -m tests.bench.bench_fl --out bench-results/fl
+
+bench-fl-homes:  ## Eco-FL, FedAvg, FedAsync, FedAT, Astraea with real homes on the edge testbed (root)
+	$(BIN)/python -m tests.bench.bench_fl_homes --out bench-results/fl-homes
+
+bench-duanwu:  ## Duan & Wu's planner: Algorithm 2 vs brute-force grouping, beta split vs plain pipelining (predicted)
+	$(BIN)/python -m tests.bench.bench_duanwu --out bench-results/duanwu
 
 ARCH ?= amd64
 

@@ -13,10 +13,17 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_settings import BaseSettings
 
+from common.fl.spec import FederationSpec
 from common.job import JobSpec
-from common.settings import CommonSettings, CoordinatorSettings, ProfilerSettings, WorkerSettings
+from common.settings import (
+    CommonSettings,
+    CoordinatorSettings,
+    FederationSettings,
+    ProfilerSettings,
+    WorkerSettings,
+)
 
-__all__ = ["SECTIONS", "job_table", "render", "settings_table"]
+__all__ = ["SECTIONS", "federation_table", "job_table", "render", "settings_table"]
 
 
 def _rows(cls: type[BaseSettings], skip: set[str], who: str) -> list[str]:
@@ -24,7 +31,9 @@ def _rows(cls: type[BaseSettings], skip: set[str], who: str) -> list[str]:
     for name, field in cls.model_fields.items():
         if name in skip:
             continue
-        default = "" if field.default is None else field.default
+        default = (
+            "required" if field.is_required() else "" if field.default is None else field.default
+        )
         out.append(
             f"| `ASTEROID_{name.upper()}` | `--{name.replace('_', '-')}` | {who} | "
             f"`{default}` | {field.description} |"
@@ -42,6 +51,7 @@ def settings_table() -> str:
         *_rows(WorkerSettings, common, "worker"),
         *_rows(CoordinatorSettings, common, "coordinator"),
         *_rows(ProfilerSettings, common, "profiler"),
+        *_rows(FederationSettings, common, "federation"),
     ]
     return "\n".join(lines)
 
@@ -85,7 +95,13 @@ def job_table() -> str:
     return "\n".join(["| key | default | meaning |", "|---|---|---|", *_job_rows(JobSpec, "")])
 
 
-SECTIONS = {"settings": settings_table, "job": job_table}
+def federation_table() -> str:
+    """Markdown table of every federation-spec key (`asteroid-federation --spec`)."""
+    rows = _job_rows(FederationSpec, "")
+    return "\n".join(["| key | default | meaning |", "|---|---|---|", *rows])
+
+
+SECTIONS = {"settings": settings_table, "job": job_table, "federation": federation_table}
 """README sections generated here, between `<!-- NAME:begin -->` and `<!-- NAME:end -->`."""
 
 

@@ -24,9 +24,12 @@ __all__ = [
     "JOB_ID_PATTERN",
     "MAX_BATCH",
     "MAX_CLASSES",
+    "MAX_HOMES",
     "MAX_ROUNDS",
     "Cifar10Data",
     "DataSpec",
+    "DigitsData",
+    "FederatedSpec",
     "JobSpec",
     "OptimizerSpec",
     "ScheduleSpec",
@@ -49,6 +52,9 @@ MAX_BATCH = 1 << 20
 
 MAX_ROUNDS = 1 << 40
 """Largest ``rounds``; also bounds the seeds' and sizes' integers to sane magnitudes."""
+
+MAX_HOMES = 1000
+"""Most homes one federation holds (and so one histogram's senders)."""
 
 _MAX_SAMPLES = 1 << 40
 _MAX_EVAL = 1 << 24
@@ -130,7 +136,59 @@ class Cifar10Data(_Strict):
     )
 
 
-DataSpec = Annotated[SyntheticData | Cifar10Data, Field(discriminator="kind")]
+class DigitsData(_Strict):
+    """scikit-learn's digits (real 8x8 images shipped inside the package, no download).
+
+    A federated home trains on its Dirichlet share of the training part: every
+    device of the home computes the same share from the same seeds, so no sample
+    ever travels. Held out: the same seeded test part everywhere.
+    """
+
+    kind: Literal["digits"] = "digits"
+    homes: int = Field(1, ge=1, le=MAX_HOMES, description="Homes the training part is split over.")
+    home: int = Field(0, ge=0, le=MAX_HOMES, description="This home's share (0-based).")
+    alpha: float = Field(
+        1.0, gt=0, le=1e6, description="Dirichlet label skew across homes (small: more skewed)."
+    )
+    split_seed: int = Field(
+        0, ge=0, le=_MAX_SEED, description="Seed of the test split and of the homes' shares."
+    )
+    min_size: int = Field(10, ge=1, le=1000, description="Fewest training samples of any home.")
+
+    @field_validator("home")
+    @classmethod
+    def _one_of_the_homes(cls, v: int, info: ValidationInfo) -> int:
+        homes = info.data.get("homes")
+        if homes is not None and v >= homes:
+            raise ValueError(f"home {v} is not one of the {homes} homes (0..{homes - 1})")
+        return v
+
+
+DataSpec = Annotated[SyntheticData | Cifar10Data | DigitsData, Field(discriminator="kind")]
+
+
+class FederatedSpec(_Strict):
+    """One home of a federation: train `rounds` rounds, send the model, receive, repeat."""
+
+    federation_id: str = Field(
+        pattern=JOB_ID_PATTERN, description="The federation's name (its spec's federation_id)."
+    )
+    address: str = Field(
+        pattern=r"^tcp://[^\s/]{1,250}$",
+        description="The federation service's endpoint (tcp://host:port).",
+    )
+    home: int = Field(ge=0, le=MAX_HOMES, description="This home's id in the federation.")
+    keys: Path | None = Field(
+        None,
+        description="The federation's key set holding this home's pair (workers/home-N): "
+        "the link then runs over CURVE; None: plain TCP (loopback and tests).",
+    )
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=86_400,
+        description="Longest wait for the federation's next model (its slowest group's round).",
+    )
 
 
 class JobSpec(_Strict):
@@ -193,6 +251,11 @@ class JobSpec(_Strict):
         "device): the planner plans again with each device's measured slowdown, and the job "
         "moves if the gain pays for the migration (a plan given by hand: its partition points "
         "move); also re-measure the links when rounds communicate far longer than planned.",
+    )
+    federation: FederatedSpec | None = Field(
+        None,
+        description="Train as one home of a federation (asteroid-federation): `rounds` "
+        "local rounds per federated round, from the model the federation sends.",
     )
     replicate_every: int = Field(
         1,

@@ -17,7 +17,8 @@ import torch
 from common.cifar10 import Cifar10Folder, Cifar10Images, check_model, find_folder
 from common.data import Dataset, dataset_for, split_indices
 from common.errors import ConfigError
-from common.job import Cifar10Data, JobSpec, SyntheticData
+from common.fl.data import DIGIT_CLASSES, TensorData, home_share, load_digits_split
+from common.job import Cifar10Data, DigitsData, JobSpec, SyntheticData
 from common.zoo import ZooModel
 
 __all__ = ["JobData", "epoch_order", "eval_size", "open_data", "sample_indices", "train_size"]
@@ -98,7 +99,23 @@ def open_data(job: JobSpec, model: ZooModel) -> JobData:
         train, held_out = Cifar10Images(folder.train), Cifar10Images((folder.test,))
         evals = spec.eval_size or folder.test_records
         return JobData(train, held_out, folder.train_records, evals, job.seed, synthetic=False)
+    if isinstance(spec, DigitsData):
+        x, y = _digits_share(spec)
+        share = TensorData(x, y, DIGIT_CLASSES)
+        share.check_model(model, "scikit-learn's digits")
+        digits_test = _digits_held_out(spec.split_seed)
+        return JobData(share, digits_test, len(y), len(digits_test), job.seed, synthetic=False)
     raise ConfigError(f"dataset.kind {spec!r} is unknown")
+
+
+def _digits_share(spec: DigitsData) -> tuple[torch.Tensor, torch.Tensor]:
+    return home_share(spec.homes, spec.home, spec.alpha, spec.split_seed, spec.min_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _digits_held_out(seed: int) -> TensorData:
+    split = load_digits_split(seed=seed)
+    return TensorData(split.test_x, split.test_y, DIGIT_CLASSES)
 
 
 def train_size(job: JobSpec) -> int | None:
@@ -116,6 +133,8 @@ def train_size(job: JobSpec) -> int | None:
         return spec.train_size
     if isinstance(spec, Cifar10Data):
         return _cifar10_folder(spec).train_records
+    if isinstance(spec, DigitsData):
+        return len(_digits_share(spec)[1])
     raise ConfigError(f"dataset.kind {spec!r} is unknown")
 
 
@@ -134,6 +153,8 @@ def eval_size(job: JobSpec) -> int:
     if isinstance(spec, Cifar10Data):
         folder = _cifar10_folder(spec)
         return spec.eval_size or folder.test_records
+    if isinstance(spec, DigitsData):
+        return len(_digits_held_out(spec.split_seed))
     raise ConfigError(f"dataset.kind {spec!r} is unknown")
 
 

@@ -13,6 +13,13 @@ from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
+from common.federation_messages import (
+    FederatedModel,
+    FederationReply,
+    FetchModel,
+    HomeUpdate,
+    JoinFederation,
+)
 from common.ids import DeviceId, JobId
 from common.job import JOB_ID_PATTERN, JobSpec
 from common.message_base import WireModel
@@ -76,7 +83,7 @@ __all__ = [
     "message_adapter",
 ]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """2: Assign names no Redis; each worker uses its own URL, so no credentials travel.
 3: the coordinator probes suspects (Probe, ProbeReply); heartbeats carry progress.
 4: replicas and layer migration (LayerState, ReplicaSaved, Collect; RunRound keeps
@@ -86,7 +93,9 @@ and the probe's own LinkHello, LinkReady, LinkData, LinkDone).
 6: heartbeats carry the worker's release; devices ask the coordinator where Redis is
 (LocateRedis, RedisLocation: host, port, db, never a password).
 7: serving (`common.serving_messages`): a model planned and loaded across devices answers
-inference requests; its ring's tiles travel as HmpTile."""
+inference requests; its ring's tiles travel as HmpTile.
+8: federated learning (`common.federation_messages`): homes' coordinators and the
+federation service (JoinFederation, FetchModel, FederatedModel, HomeUpdate, FederationReply)."""
 
 MAX_LAYERS = 100_000
 """Most layers a message may name: far above any model, so only a hostile list hits it."""
@@ -705,7 +714,12 @@ Message = Annotated[
     | BlocksProfiled
     | ShardLoaded
     | InferenceDone
-    | HmpTile,
+    | HmpTile
+    | JoinFederation
+    | FetchModel
+    | FederatedModel
+    | HomeUpdate
+    | FederationReply,
     Field(discriminator="type"),
 ]
 

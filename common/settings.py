@@ -25,6 +25,7 @@ __all__ = [
     "REDIS_OUTAGE_S",
     "CommonSettings",
     "CoordinatorSettings",
+    "FederationSettings",
     "ProfilerSettings",
     "WorkerSettings",
 ]
@@ -333,6 +334,31 @@ class CoordinatorSettings(CommonSettings):
         description="Directory to stream each job's metrics to as rounds are committed: "
         "JOB.csv and TensorBoard event files in JOB/ (unset: Redis only; `asteroid "
         "export-metrics` writes the same files later). Trouble writing them never stops a job.",
+    )
+
+    @field_validator("bind")
+    @classmethod
+    def _bind_address(cls, value: str) -> str:
+        return _zmq_address(value)
+
+
+class FederationSettings(CommonSettings):
+    """The federation service: where homes reach it and what it runs."""
+
+    bind: str = Field("tcp://127.0.0.1:5560", description="Address homes' coordinators reach.")
+    spec: Path = Field(description="Federation spec (YAML): model, strategy, homes, updates.")
+    exit_when_done: bool = Field(
+        False,
+        description="Exit once the last update is merged and every home has been told "
+        "(or done_grace_s later); otherwise keep answering `done` until stopped.",
+    )
+    done_grace_s: float = Field(
+        30.0, gt=0, le=3600, description="With exit_when_done: longest wait for homes to ask."
+    )
+    replace: bool = Field(
+        False,
+        description="Start the federation afresh, deleting its state in Redis (without it, a "
+        "restarted federation continues from its last global model and groups).",
     )
 
     @field_validator("bind")

@@ -10,8 +10,10 @@ Durability: a write Redis acknowledges is in its memory and, with an
 append-only file, handed to the OS. `Store.wait_durable` then waits until it
 is fsynced (WAITAOF, Redis 7.2 or newer). A server without WAITAOF gives what
 its `appendfsync` gives: with `everysec` a power cut can lose up to about a
-second of acknowledged writes, with `always` none; a killed redis-server loses
-nothing it acknowledged either way, since the OS still holds the written file.
+second of acknowledged writes, with `always` none. A killed redis-server loses
+nothing it has written to the file (the OS holds it), but with `everysec` it
+may answer a write and hold it back for up to two seconds while a slow fsync
+runs: a SIGKILL in that window loses it.
 """
 
 from __future__ import annotations

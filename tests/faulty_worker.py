@@ -47,6 +47,10 @@ class Fault(enum.Enum):
     SLOW_DATA = "slow-data"
     """From round `--fault-round` on, every activation, gradient and all-reduce chunk it
     sends leaves `SLOW_S` late, as over a slow link: its compute and link probes are untouched."""
+    SLOW_ROUNDS = "slow-rounds"
+    """From its `--fault-round`-th assignment (epoch) on, each of its rounds takes
+    `SLOW_ROUND_S` longer, as on a device throttled mid-run (a federated home's
+    local jobs are one assignment each, so this slows the home from that piece on)."""
     STALL_ALLREDUCE = "stall-allreduce"
     """In round `--fault-round`, its stage stops before its all-reduce (logging
     `STALL_EVENT`) until a new assignment or a shutdown, so that a test can kill
@@ -55,6 +59,8 @@ class Fault(enum.Enum):
 
 STALL_EVENT = "fault: stalling before the all-reduce"
 SLOW_S = 0.1
+SLOW_ROUND_S = 0.5
+"""How much longer a slow-rounds worker's rounds take."""
 """How late a slow-data worker's data-plane messages leave."""
 
 
@@ -69,6 +75,8 @@ def _runner_class(fault: Fault, stage: int, fault_round: int) -> type[StageRunne
         def run_round(self, round_no: int, *rest: Any) -> RoundResult:
             if fault is Fault.FAIL_ROUND and self.p == stage and round_no == fault_round:
                 raise RuntimeError(f"injected fault in round {round_no} on stage {self.p}")
+            if fault is Fault.SLOW_ROUNDS and self.epoch >= fault_round:
+                time.sleep(SLOW_ROUND_S)
             return super().run_round(round_no, *rest)
 
         def _allreduce(self, round_no: int) -> None:

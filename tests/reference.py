@@ -107,15 +107,19 @@ def reference_train(
     *,
     dataset: dict[str, Any] | None = None,
     total_rounds: int | None = None,
+    initial: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train `rounds` steps of `global_batch` on one process; returns weights and losses.
 
     `total_rounds` is the job's length the schedule refers to (default `rounds`),
-    so the weights after a prefix of a longer job can be computed too.
+    so the weights after a prefix of a longer job can be computed too. `initial`:
+    weights to start from instead of the seed's (a federated home's local rounds).
     """
     job = reference_job(model, seed, optimizer, dataset, total_rounds or rounds)
     zoo = build_model(job.model, seed)
     net = zoo.full().train()
+    if initial is not None:
+        net.load_state_dict(initial)
     data = open_data(job, zoo)
     spec = job.optimizer
     opt = reference_optimizer(list(net.parameters()), spec)

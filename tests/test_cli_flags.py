@@ -23,6 +23,7 @@ from services.cli import main as asteroid_main
 ROOT = Path(__file__).resolve().parent.parent
 MAINS = {
     "coordinator": "services.coordinator.main",
+    "federation": "services.federation.main",
     "planner": "services.planner.service",
     "profiler": "services.profiler.main",
     "worker": "services.worker.main",
@@ -127,6 +128,7 @@ def run(cmd, cwd=ROOT, timeout=120):
 
 BAD_BY_SERVICE = {
     "coordinator": ["--link-bandwidth", "100Mbps"],
+    "federation": ["--spec", "fed.yaml", "--done-grace-s", "0"],
     "planner": ["--redis-url", "127.0.0.1:6379"],
     "profiler": ["--log-level", "trace"],
     "worker": ["--memory-budget", "2 GB please"],
@@ -134,7 +136,7 @@ BAD_BY_SERVICE = {
 
 
 def test_installed_commands_say_one_line_and_no_traceback(tmp_path):
-    """All eight runs at once: each pays a fresh interpreter's imports (torch for two)."""
+    """All ten runs at once: each pays a fresh interpreter's imports (torch for two)."""
     runs = {}
     for service, args in BAD_BY_SERVICE.items():
         for kind, argv in (("bad", args), ("version", ["--version"])):

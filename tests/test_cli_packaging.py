@@ -5,6 +5,7 @@ import yaml
 from typer.testing import CliRunner
 
 from common.exit_codes import ExitCode
+from common.fl.spec import load_federation
 from common.job import load_job
 from common.plan import Plan
 from services.cli import app
@@ -21,6 +22,8 @@ def test_the_examples_are_package_data_that_load():
         with example_path(name) as path:
             if name.startswith("serve-"):
                 assert load_serve_spec(path).serve_id
+            elif name.startswith("federation-"):
+                assert load_federation(path).homes
             elif name.endswith(".yaml"):
                 assert load_job(path).job_id
             else:

@@ -19,9 +19,9 @@ def bash_blocks(text: str) -> list[str]:
     return [b.strip() for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S)]
 
 
-def test_readme_reference_tables_match_the_settings_and_job_models():
+def test_readme_reference_tables_match_the_settings_job_and_federation_models():
     text = README.read_text()
-    assert set(SECTIONS) == {"settings", "job"}
+    assert set(SECTIONS) == {"settings", "job", "federation"}
     assert render(text) == text, "regenerate: python -m common.config_docs README.md"
 
 

@@ -5,6 +5,7 @@ federated runs and their tests use real images offline; `dirichlet_split` gives 
 home the label skew FL papers evaluate with (per class, shares ~ Dir(alpha)).
 """
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,11 +13,14 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError
+from common.zoo import InputSpec, ZooModel
 
 __all__ = [
     "DIGIT_CLASSES",
     "DigitsSplit",
+    "TensorData",
     "dirichlet_split",
+    "home_share",
     "label_histogram",
     "load_digits_split",
 ]
@@ -53,7 +57,13 @@ def load_digits_split(test_fraction: float = 0.25, seed: int = 0) -> DigitsSplit
     """
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-    from sklearn.datasets import load_digits  # heavy import, only when data is wanted
+    try:
+        from sklearn.datasets import load_digits  # heavy import, only when data is wanted
+    except ImportError as exc:
+        raise ConfigError(
+            "the digits data set needs scikit-learn on this device "
+            "(pip install 'asteroid-edge[fl]')"
+        ) from exc
 
     bunch = load_digits()
     images = torch.tensor(np.asarray(bunch.images), dtype=torch.float32) / _MAX_PIXEL
@@ -63,6 +73,58 @@ def load_digits_split(test_fraction: float = 0.25, seed: int = 0) -> DigitsSplit
     n_test = round(len(y) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     return DigitsSplit(x[train], y[train], x[test], y[test])
+
+
+@functools.lru_cache(maxsize=4)
+def home_share(
+    homes: int, home: int, alpha: float, seed: int, min_size: int
+) -> tuple[Tensor, Tensor]:
+    """One home's Dirichlet share of the digits training part: ``(images, labels)``.
+
+    Every device of a home (and the simulator) computes the same share from the
+    same seeds, so a home's samples never travel; cached because every assignment
+    of a job asks again.
+
+    Raises:
+        ConfigError: As `dirichlet_split`, or ``home`` not in ``[0, homes)``.
+
+    """
+    if not 0 <= home < homes:
+        raise ConfigError(f"home must be in [0, {homes}), got {home}")
+    data = load_digits_split(seed=seed)
+    mine = dirichlet_split(data.train_y, homes, alpha, seed, min_size)[home]
+    return data.train_x[mine], data.train_y[mine]
+
+
+class TensorData:
+    """Samples held as two tensors; the `common.data.Dataset` of in-memory real data."""
+
+    def __init__(self, x: Tensor, y: Tensor, num_classes: int) -> None:
+        if len(x) != len(y) or not len(y):
+            raise ConfigError(f"need as many labels as samples (> 0), got {len(x)} and {len(y)}")
+        self.x, self.y = x, y
+        self.input = InputSpec(kind="image", shape=tuple(x.shape[1:]), dtype=x.dtype)
+        self.num_classes = num_classes
+
+    def check_model(self, model: ZooModel, what: str) -> None:
+        """ConfigError unless `model` takes these samples and predicts these classes."""
+        if model.input != self.input or model.num_classes != self.num_classes:
+            raise ConfigError(
+                f"the model takes {model.input.kind} input of shape {model.input.shape} in "
+                f"{model.num_classes} classes; {what} are images of shape {self.input.shape} "
+                f"in {self.num_classes} classes"
+            )
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def batch(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        """Samples and labels at ``indices``."""
+        return self.x[indices], self.y[indices]
+
+    def labels(self, indices: Tensor) -> Tensor:
+        """Labels at ``indices``."""
+        return self.y[indices]
 
 
 def label_histogram(labels: Tensor, classes: int) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ __all__ = [
     "group_homes",
     "group_latency",
     "join_cost",
+    "out_of_band",
     "regroup",
 ]
 
@@ -73,6 +74,20 @@ def group_cost(
     gap = data_gap(_summed(members, histograms), _summed(range(len(histograms)), histograms))
     spread = max(latencies[m] for m in members) - min(latencies[m] for m in members)
     return gap + latency_weight * spread / (sum(latencies) / len(latencies))
+
+
+def out_of_band(members: Sequence[int], latencies: Sequence[float], rt_fraction: float) -> int:
+    """How many members lie outside their group's band: ``|L^g - L_n| > RT^g``.
+
+    ``L^g`` excludes the member itself, as in `regroup`; a lone member is always inside.
+    """
+    count = 0
+    for n in members:
+        others = [latencies[m] for m in members if m != n]
+        if others:
+            ref = sum(others) / len(others)
+            count += abs(ref - latencies[n]) > rt_fraction * ref
+    return count
 
 
 def _check(latencies: Sequence[float], histograms: Sequence[Sequence[float]], groups: int) -> None:
@@ -128,12 +143,16 @@ def group_homes(
     histograms: Sequence[Sequence[float]],
     groups: int,
     latency_weight: float = 1.0,
+    rt_fraction: float | None = None,
 ) -> Groups:
     """Eco-FL's joint grouping: FedAT's latency tiers, refined by swaps toward IID data.
 
     Starting from the tiers, the swap of two homes between two groups that lowers the
     summed `group_cost` most is applied until none lowers it (a local optimum; group
     sizes stay as the tiers had them). ``latency_weight`` 0 gives a data-only target.
+    With ``rt_fraction`` (the regrouping band ``RT^g``), a swap must not leave more
+    homes outside their group's band than before: a grouping that Algorithm 1 would
+    undo at the first measured latency is no grouping to start from.
     """
     _check(latencies, histograms, groups)
     current = [list(g) for g in fedat_groups(latencies, groups)]
@@ -141,15 +160,21 @@ def group_homes(
     def cost(members: Sequence[int]) -> float:
         return group_cost(members, latencies, histograms, latency_weight)
 
+    def outside(members: Sequence[int]) -> int:
+        return 0 if rt_fraction is None else out_of_band(members, latencies, rt_fraction)
+
     for _ in range(len(latencies) ** 2):  # each swap lowers the cost; this bounds the loop
         best: tuple[float, int, int, int, int] | None = None
         for a in range(groups):
             for b in range(a + 1, groups):
                 before = cost(current[a]) + cost(current[b])
+                strays = outside(current[a]) + outside(current[b])
                 for i in current[a]:
                     for j in current[b]:
                         ga = [j if m == i else m for m in current[a]]
                         gb = [i if m == j else m for m in current[b]]
+                        if outside(ga) + outside(gb) > strays:
+                            continue
                         delta = cost(ga) + cost(gb) - before
                         if delta < -_EPS and (best is None or delta < best[0] - _EPS):
                             best = (delta, a, b, i, j)

@@ -192,7 +192,9 @@ class EcoFL(Strategy):
         self, latencies: Sequence[float], histograms: Sequence[Sequence[float]]
     ) -> Groups:
         """Latency tiers refined toward IID groups."""
-        return group_homes(latencies, histograms, self.groups, self.latency_weight)
+        return group_homes(
+            latencies, histograms, self.groups, self.latency_weight, self.rt_fraction
+        )
 
     def observe(self, state: GroupState, home: int, latency: float) -> Regrouped:
         """Algorithm 1: move or drop a home whose latency left its group's band."""

@@ -1,7 +1,7 @@
 """`asteroid`: the command line for people.
 
-demo and up run a whole cluster on this machine; train, status, cancel, drain and
-export work with a running coordinator and its Redis; plan and profile look
+demo and up run a whole cluster on this machine; train, status, cancel, drain,
+export and federation work with a running service and its Redis; plan and profile look
 at plans and devices before training. Exit codes: `common.exit_codes.ExitCode`.
 
 `main` is the installed `asteroid` command: a bad flag or setting there is
@@ -20,6 +20,7 @@ from common.cli_args import error_line, is_settings_error
 from common.exit_codes import ExitCode
 from common.version import VERSION
 from services.cli import deploy as deploy_cmd
+from services.cli import federation as federation_cmd
 from services.cli import jobs, keys, local, metrics
 from services.cli import join as join_cmd
 from services.cli import plan as plan_cmd
@@ -79,6 +80,7 @@ app.command()(jobs.drain)
 app.command()(jobs.export)
 app.command()(join_cmd.join)
 app.command()(metrics.export_metrics)
+app.command()(federation_cmd.federation)
 app.add_typer(testbed_cmd.app, name="testbed")
 app.add_typer(keys.app, name="keys")
 app.add_typer(deploy_cmd.app, name="deploy")

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from torch import Tensor
+
 from common.checkpoint import commit_checkpoint, latest_round, save_stage
 from common.errors import AsteroidError, ConfigError, StoreUnavailable
 from common.ids import DeviceId
@@ -134,8 +136,20 @@ class JobSummary:
 class JobRun:
     """Drives one job through its lifecycle on a coordinator's workers."""
 
-    def __init__(self, coord: Coordinator, job: JobSpec, total_rounds: int | None = None) -> None:
+    def __init__(
+        self,
+        coord: Coordinator,
+        job: JobSpec,
+        total_rounds: int | None = None,
+        initial: Mapping[str, Tensor] | None = None,
+    ) -> None:
+        """Ready a run of `job`; `total_rounds` overrides the spec's count.
+
+        `initial`: the whole model's weights to start from instead of the seed's
+        (a federated home's local rounds start from the federation's model).
+        """
         self.coord, self.job, self.jid = coord, job, job.job_id
+        self.initial = initial
         self.total = total_rounds or job.total_rounds()
         self.state: JobState = "submitted"
         self.store = coord.store
@@ -329,6 +343,8 @@ class JobRun:
         """
         job, jid, coord = self.job, self.jid, self.coord
         model = build_model(job.model, job.seed, coord.settings.model_modules).full()
+        if self.initial is not None:
+            model.load_state_dict(self.initial)
         plan.validate_for(len(model))
         store = self.store
         coord.durable(

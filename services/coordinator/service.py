@@ -75,6 +75,7 @@ from services.coordinator.core import (
     apply,
     begin,
 )
+from services.coordinator.federated import FederatedRun
 from services.coordinator.jobs import DeviceLost, JobCancelled, JobFailed, JobRun, JobSummary
 from services.coordinator.membership import (
     Members,
@@ -213,6 +214,8 @@ class Coordinator:
         self.infer_queue: deque[PendingRequest] = deque()
         """Inference requests for the running serving job, waiting their turn."""
         self.running: str | None = None
+        self.federated: str | None = None
+        """A federated job being run, whose local pieces are `running` in turn."""
         self.cancelled: dict[str, str] = {}
         self.drains: dict[DeviceId, str] = {}
         """Devices of the running job to drain, and why (at most the job's own devices)."""
@@ -684,9 +687,17 @@ class Coordinator:
                 committed = int(self.store.get_fields("job", job.job_id).get("round", 0) or 0)
             else:
                 self._check_fresh(job.job_id, replace, "--replace")
-            self._register(job, total, forget_old=replace and not resume)
+            self.register(job, total, forget_old=replace and not resume)
 
         self.durable(f"registering job {job.job_id}", admit_job)
+        return self._run(job, total, plan, resume, committed)
+
+    def _run(
+        self, job: JobSpec, total: int, plan: Plan | None, resume: bool, committed: int
+    ) -> JobSummary:
+        """Run a registered job: as one home of a federation if it says so, else plainly."""
+        if job.federation is not None:
+            return FederatedRun(self, job).run(plan)
         return JobRun(self, job, total).run(plan, resume, committed)
 
     def _existing(self, jid: str) -> str | None:
@@ -738,7 +749,7 @@ class Coordinator:
                 if isinstance(job, ServeSpec):
                     ServeRun(self, job).run()
                 else:
-                    summary = JobRun(self, job, total).run()
+                    summary = self._run(job, total, None, False, 0)
             except AsteroidError as exc:
                 log.error("job ended", job=job.job_id, error=str(exc))
             except Exception as exc:  # one job's unforeseen error ends that job, not the service
@@ -763,7 +774,7 @@ class Coordinator:
         if state in ACTIVE or any(q.job_id == job.job_id for q, _ in self.queue):
             raise ConfigError(f"job_id: job {job.job_id} is already {state or 'queued'}")
         self._check_fresh(job.job_id, replace, "submit with --replace")
-        self._register(job, total, forget_old=replace)
+        self.register(job, total, forget_old=replace)
         self.queue.append((job, total))
 
     def write_state(self, jid: str, state: str, **extra: Any) -> None:
@@ -771,7 +782,7 @@ class Coordinator:
         self.store.set_fields({"state": state, "updated": time.time(), **extra}, "job", jid)
         self.store.append("events", jid, {"event": state, **extra})
 
-    def _register(self, job: JobSpec, total: int, forget_old: bool = False) -> None:
+    def register(self, job: JobSpec, total: int, forget_old: bool = False) -> None:
         """Record the job as submitted; with `forget_old`, delete an earlier run of this id.
 
         Only an operator's explicit replace sets `forget_old`; otherwise an earlier
@@ -892,8 +903,10 @@ class Coordinator:
                 f"job {jid} cancelled",
                 partial(self.write_state, jid, "cancelled", reason=msg.reason),
             )
-        elif self.running == jid:
+        elif jid in (self.running, self.federated):
             self.cancelled[jid] = msg.reason
+            if jid == self.federated and self.running:  # the piece under way stops too
+                self.cancelled[self.running] = msg.reason
         else:
             try:
                 state = self.store.get_fields("job", jid).get("state", "unknown")

@@ -271,7 +271,6 @@ class ServeRun:
             latency_s=latency,
             queued_s=started - req.arrived,
         )
-        self.coord.send(req.peer, reply)
         self.coord.write_soon(
             f"metrics of request {n}",
             lambda: self.coord.store.append(
@@ -287,6 +286,7 @@ class ServeRun:
                 },
             ),
         )
+        self.coord.send(req.peer, reply)  # after its metrics: whoever has an answer sees them
         log.info(
             "request answered",
             request=n,

@@ -194,4 +194,4 @@ def finish(
 
 # The planners register themselves on import; importing them last (they import
 # this module) fills PLANNERS for anyone who imports only `base`.
-from services.planner import asteroid, baselines  # noqa: E402, F401
+from services.planner import asteroid, baselines, duanwu  # noqa: E402, F401

@@ -3,8 +3,9 @@
 Each baseline keeps what makes its paper's plans what they are (homogeneous
 assumptions, even splits, fixed warm-ups) and drops what our plan format
 cannot express; every class says which. Memory-unaware baselines return
-their plan even when it does not fit (`check_memory` reports it); Duan & Wu
-and the optimum are memory-aware and raise `PlanDoesNotFit`.
+their plan even when it does not fit (`check_memory` reports it); the
+optimum is memory-aware and raises `PlanDoesNotFit`. Duan & Wu's planner has
+its own module (`services.planner.duanwu`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from common.errors import ConfigError
 from common.plan import Plan, StageSpec, split_ranges
 from services.planner._partition import minmax_cuts
 from services.planner._steps import total
-from services.planner.balance import balance, capacity, fit_backups, proportional
+from services.planner.balance import proportional
 from services.planner.base import (
     PlanDoesNotFit,
     Planner,
@@ -36,7 +37,6 @@ from services.planner.simulator import simulate
 __all__ = [
     "DapplePlanner",
     "DataParallelPlanner",
-    "DuanWuPlanner",
     "GPipePlanner",
     "HetPipePlanner",
     "OptimalPlanner",
@@ -259,175 +259,6 @@ class HetPipePlanner(Planner):
         if best is None:  # pragma: no cover - k=1 always runs
             raise AssertionError("no virtual-worker count tried")
         return best
-
-
-@register
-class DuanWuPlanner(Planner):
-    """Duan & Wu's resource allocation for pipeline training on heterogeneous devices.
-
-    Binary search on the target stage time T; for a given T, a greedy pass
-    cuts the model into contiguous stages no slower than T and groups the
-    devices, taken fastest first, into stage groups: a stage grows layer by
-    layer while its group meets T and fits in memory, and gains the next
-    device when it cannot take even one layer. The smallest feasible T wins.
-    Group time is the speed-proportional (continuous) split; Algorithm 1
-    then sets the integer shares. Simplifications: stages are built from the
-    output end, so each stage's K_p = 2q-1 (q-th from the end) is known while
-    its memory is checked; devices the smallest T does not need stay unused;
-    the paper's separate forward/backward resource split is not modelled.
-    Memory-aware, with Asteroid-Edge's backups (which the paper lacks): a
-    stage grows only while the replicas it brings fit too, its own on the
-    next stage's first device (if it is a single device) and, once it reaches
-    layer 0, the last stage's on its own first device (`_backups_fit`).
-    """
-
-    name = "duanwu"
-
-    def plan(self, cost: CostModel, global_batch: int, microbatches: int) -> Plan:
-        """The greedy partition and grouping under the smallest feasible stage time."""
-        micro = micro_size(global_batch, microbatches)
-        require_fits_somewhere(cost, micro)
-        devs = _by_speed(cost, micro)
-        for memory in (True, False):
-            groups = self._search(cost, devs, micro, microbatches, memory)
-            if groups is None:
-                continue
-            specs = []
-            for q, (lo, hi, group) in zip(range(len(groups), 0, -1), groups, strict=True):
-                k = min(2 * q - 1, microbatches)
-                got = balance(cost, group, lo, hi, micro, k) or balance(
-                    cost, group, lo, hi, micro, k, memory=False
-                )
-                if got is None:
-                    break
-                specs.append(stage(lo, hi, group, got.counts))
-            else:
-                raw = Plan(stages=specs, global_batch=global_batch, microbatches=microbatches)
-                # the greedy checked speed-proportional shares; Algorithm 1's integer
-                # split is fitted around the replicas once the plan is whole
-                fitted = fit_backups(cost, raw)
-                specs = list(fitted.stages) if fitted is not None else specs
-                return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=True)
-        raise PlanDoesNotFit(
-            f"planner {self.name} found no grouping of {len(devs)} devices whose stages each "
-            f"hold their layers for a {micro}-sample micro-batch"
-        )
-
-    def _search(
-        self, cost: CostModel, devs: list[str], micro: int, m: int, memory: bool
-    ) -> list[tuple[int, int, list[str]]] | None:
-        """Bisection on the target time over the greedy pass."""
-        hi = float("inf")
-        best = self._greedy(cost, devs, micro, m, memory, hi)
-        if best is None:
-            return None
-        hi = max(self._time(cost, g, lo, end, micro) for lo, end, g in best)
-        lo = 0.0
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            got = self._greedy(cost, devs, micro, m, memory, mid)
-            if got is None:
-                lo = mid
-            else:
-                best, hi = got, mid
-        return best
-
-    def _greedy(
-        self, cost: CostModel, devs: list[str], micro: int, m: int, memory: bool, target: float
-    ) -> list[tuple[int, int, list[str]]] | None:
-        stages: list[tuple[int, int, list[str]]] = []
-        end, nxt = cost.num_layers, 0
-        while end > 0:
-            k = min(2 * (len(stages) + 1) - 1, m)
-            group: list[str] = []
-            start = end
-            while start == end:
-                if nxt >= len(devs) or len(group) >= micro:
-                    return None
-                group.append(devs[nxt])
-                nxt += 1
-                while start > 0 and self._fits(
-                    cost, group, start - 1, end, micro, k, memory, target
-                ):
-                    if memory and not self._backups_fit(
-                        cost, group, stages, start - 1, end, micro, k, m
-                    ):
-                        break
-                    start -= 1
-            stages.insert(0, (start, end, group))
-            end = start
-        return stages
-
-    @staticmethod
-    def _time(cost: CostModel, group: Sequence[str], lo: int, hi: int, micro: int) -> float:
-        """Step time of a speed-proportional (fractional) split of the micro-batch."""
-        rate = sum(micro / max(cost.step(d, lo, hi, micro), 1e-300) for d in group)
-        return micro / rate
-
-    def _fits(
-        self,
-        cost: CostModel,
-        group: Sequence[str],
-        lo: int,
-        hi: int,
-        micro: int,
-        k: int,
-        memory: bool,
-        target: float,
-    ) -> bool:
-        if self._time(cost, group, lo, hi, micro) > target:
-            return False
-        if not memory:
-            return True
-        return self._shares_fit(cost, group, lo, hi, micro, k, {})
-
-    def _backups_fit(
-        self,
-        cost: CostModel,
-        group: list[str],
-        built: list[tuple[int, int, list[str]]],
-        lo: int,
-        hi: int,
-        micro: int,
-        k: int,
-        m: int,
-    ) -> bool:
-        """Whether the replicas a stage [lo, hi) on `group` brings fit (Asteroid Fig. 9).
-
-        `built` are the stages after it. A single-device stage puts its replica
-        on the next stage's first device; a stage reaching layer 0 is the
-        first, and its first device holds the last stage's if that is single.
-        """
-        if not built:
-            return True
-        if len(group) == 1:
-            start, end, nxt = built[0]
-            held = {nxt[0]: cost.replica(lo, hi)}
-            if not self._shares_fit(cost, nxt, start, end, micro, min(2 * len(built) - 1, m), held):
-                return False
-        last_lo, last_hi, last = built[-1]
-        if lo == 0 and len(last) == 1:
-            held = {group[0]: cost.replica(last_lo, last_hi)}
-            return self._shares_fit(cost, group, lo, hi, micro, k, held)
-        return True
-
-    @staticmethod
-    def _shares_fit(
-        cost: CostModel,
-        group: Sequence[str],
-        lo: int,
-        hi: int,
-        micro: int,
-        k: int,
-        reserved: dict[str, int],
-    ) -> bool:
-        """Whether each member holds its speed-proportional share, `reserved` bytes taken."""
-        rates = [1.0 / max(cost.step(d, lo, hi, micro), 1e-300) for d in group]
-        whole = sum(rates)
-        return all(
-            capacity(cost, d, lo, hi, k, reserved.get(d, 0)) >= math.ceil(micro * r / whole)
-            for d, r in zip(group, rates, strict=True)
-        )
 
 
 @register

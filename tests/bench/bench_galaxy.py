@@ -22,7 +22,6 @@ planned (and galaxy's plan run). Algorithm 1's planning time is measured for
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -40,6 +39,7 @@ from common.store import Store
 from services.testbed.bed import Testbed
 from services.testbed.spec import TestbedSpec, cluster_spec, preset
 from tests.bench.bench_recovery import _on_term, header_lines, keyed_services
+from tests.bench.deadline import deadline_check
 from tests.bench.galaxy_cells import (
     MODELS,
     Cell,
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench-galaxy builds network namespaces and cgroups: run it as root", file=sys.stderr)
         return 2
-    past = _deadline(args.deadline)
+    past = deadline_check(args.deadline)
     args.out.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
     _on_term(stop)
@@ -310,16 +310,6 @@ def main(argv: list[str] | None = None) -> int:
     print((args.out / "results.md").read_text())
     print(f"[{time.monotonic() - t0:.0f} s in all]")
     return 0
-
-
-def _deadline(hhmm: str) -> Callable[[], bool]:
-    """A check that says whether UTC `hhmm` (today) has passed; never, without one."""
-    if not hhmm:
-        return lambda: False
-    hour, _, minute = hhmm.partition(":")
-    now = datetime.datetime.now(datetime.UTC)
-    at = now.replace(hour=int(hour), minute=int(minute), second=0, microsecond=0)
-    return lambda: datetime.datetime.now(datetime.UTC) >= at
 
 
 if __name__ == "__main__":

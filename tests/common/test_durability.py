@@ -1,16 +1,17 @@
 """Checkpoints survive a SIGKILLed Redis, crashed uploads leave no debris, damage is caught.
 
 Each test runs its own redis-server with an append-only file in a temporary
-directory (the embedded Redis of `asteroid up`, with a state directory), kills
-it with SIGKILL right after Redis acknowledged a commit and starts a new one on
-the same directory: what it loads from the AOF is what a restarted deployment
-would see.
+directory (the embedded Redis of `asteroid up`, with a state directory), kills it
+with SIGKILL right after Redis acknowledged a commit (and wrote it to its file:
+`AofRedis.wait_written`) and starts a new one on the same directory: what it loads
+from the AOF is what a restarted deployment would see.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -62,6 +63,25 @@ class AofRedis:
         self.store = Store(self.server.url, CLUSTER)
         return self.store
 
+    def wait_written(self, timeout_s: float = 10.0) -> None:
+        """Wait until everything Redis acknowledged so far is written to its AOF file.
+
+        With `appendfsync everysec` Redis may answer a write and hold it in its
+        AOF buffer for up to two seconds while a background fsync is running
+        (a busy disk); a SIGKILL then loses it. An empty buffer at one INFO means
+        every command executed before it has reached the file (the OS keeps it
+        across the kill). Redis 7.2's WAITAOF says more, per connection.
+        """
+        assert self.server is not None, "the redis-server is not running"
+        client = redis.Redis.from_url(self.server.url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while int(client.info("persistence")["aof_buffer_length"]) > 0:
+                assert time.monotonic() < deadline, f"AOF buffer not written in {timeout_s} s"
+                time.sleep(0.01)
+        finally:
+            client.close()
+
     def kill(self) -> None:
         """SIGKILL: no shutdown, no final fsync; only what reached the AOF file survives."""
         if self.store is not None:
@@ -73,6 +93,8 @@ class AofRedis:
             self.server = None
 
     def restart(self) -> Store:
+        """SIGKILL once what Redis acknowledged is in its file; start again on the same port."""
+        self.wait_written()
         self.kill()
         return self.start()
 

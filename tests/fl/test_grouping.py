@@ -10,8 +10,10 @@ from common.fl.grouping import (
     group_homes,
     group_latency,
     join_cost,
+    out_of_band,
     regroup,
 )
+from common.fl.strategies import make_strategy
 
 A, B = (10.0, 0.0), (0.0, 10.0)
 # Fast homes 0, 2, 4, 6 and slow homes 1, 3, 5, 7; labels A, B, A, B, B, A, B, A.
@@ -176,3 +178,55 @@ def test_group_state_and_regroup_validate_input() -> None:
         regroup(s, 6, 1.0)
     with pytest.raises(ConfigError):
         regroup(s, 0, 0.0)
+
+
+def test_out_of_band_counts_members_off_the_mean_of_the_others() -> None:
+    lat = [1.0, 2.0, 3.0, 10.0]
+    assert out_of_band((0,), lat, 0.01) == 0  # a lone member is always inside
+    assert out_of_band((0, 1), lat, 0.5) == 1  # 0: |2 - 1| = 1 <= 1; 1: |1 - 2| = 1 > 0.5
+    assert out_of_band((0, 1), lat, 1.0) == 0
+    # (0, 1, 2): home 0 sees 2.5 (off by 1.5), home 1 sees 2 (off by 0), home 2 sees 1.5
+    # (off by 1.5); bands 2.5 r, 2 r, 1.5 r
+    assert out_of_band((0, 1, 2), lat, 0.5) == 2  # 1.5 > 1.25 and 1.5 > 0.75
+    assert out_of_band((0, 1, 2), lat, 0.8) == 1  # home 0 inside (1.5 <= 2), home 2 not
+    assert out_of_band((0, 1, 2), lat, 1.0) == 0  # 1.5 > 1.5 is false for home 2
+    # (0, 1, 2, 3): off by |5 - 1| = 4 > 2.5, |14/3 - 2| > 7/3, |13/3 - 3| <= 13/6, 8 > 1
+    assert out_of_band((0, 1, 2, 3), lat, 0.5) == 3
+    assert out_of_band((), lat, 0.5) == 0
+
+
+# Latencies 1, 1, 2, 2 and labels A, A, B, B (found by a search over latencies {1, 2, 4}
+# and labels {A, B} for 4 homes in 2 groups), by hand:
+# - the tiers (0, 1), (2, 3) cost data gap 1 + 1 = 2 and no spread;
+# - an A-B pair costs gap 0 and spread (2 - 1) / 1.5 = 2/3, two pairs 4/3 < 2, so the
+#   plain grouping swaps homes 0 and 2 (the first of four equal swaps): (1, 2), (0, 3);
+# - in (1, 2) with RT = 0.5 * L^g, home 1 sees L^g = 2, |2 - 1| = 1 <= 1: inside, but
+#   home 2 sees L^g = 1, |1 - 2| = 1 > 0.5: outside; the same in (0, 3): 2 strays, so
+#   with rt_fraction = 0.5 the swap is refused and the tiers (0 strays) stay.
+LAT_RT = [1.0, 1.0, 2.0, 2.0]
+HIST_RT = [A, A, B, B]
+
+
+def test_rt_fraction_keeps_every_home_inside_its_band_from_the_start() -> None:
+    plain = group_homes(LAT_RT, HIST_RT, 2)
+    banded = group_homes(LAT_RT, HIST_RT, 2, rt_fraction=0.5)
+    assert plain == ((1, 2), (0, 3))
+    assert banded == ((0, 1), (2, 3))
+    assert [out_of_band(g, LAT_RT, 0.5) for g in plain] == [1, 1]
+    assert [out_of_band(g, LAT_RT, 0.5) for g in banded] == [0, 0]
+    unbanded = GroupState(plain, tuple(LAT_RT), tuple(HIST_RT), rt_fraction=0.5)
+    assert regroup(unbanded, 2, LAT_RT[2]).action == "move"  # undone at once
+    state = GroupState(banded, tuple(LAT_RT), tuple(HIST_RT), rt_fraction=0.5)
+    for home, latency in enumerate(LAT_RT):
+        assert regroup(state, home, latency).action == "stay"
+
+
+def test_ecofl_strategy_groups_within_its_band() -> None:
+    strategy = make_strategy("ecofl", groups=2, rt_fraction=0.5)
+    state = strategy.start(LAT_RT, HIST_RT)
+    assert (state.groups, state.rt_fraction) == (((0, 1), (2, 3)), 0.5)
+    for home, latency in enumerate(LAT_RT):
+        out = strategy.observe(state, home, latency)
+        assert (out.action, out.group) == ("stay", state.group_of(home))
+        state = out.state
+    assert state.groups == ((0, 1), (2, 3)) and state.dropped == frozenset()

@@ -1,16 +1,17 @@
 """Redis SIGKILLed right after a checkpoint is acknowledged restarts from its AOF; the job goes on.
 
 A job on a coordinator and three real workers runs against its own redis-server
-(append-only file, `appendfsync everysec`: the embedded Redis of `asteroid up`
-with a state directory). The moment the coordinator's `checkpoint` event for a
-mid-job round is in the events stream, the redis-server is SIGKILLed; once the
-coordinator has found it gone, a new one starts on the same port from the same
-directory. A copy of the directory taken at the kill is what any restart loads:
-its latest committed manifest must name that checkpoint (or a newer one committed
-in the moment before the kill: never an older one), every layer hash-verified,
-holding the single-process weights of that round. The running
-coordinator rides the outage out (its `redis_outage_s` is far longer), so the
-job ends with the single-process weights and every round committed once.
+(append-only file, `appendfsync everysec`: the embedded Redis of `asteroid up` with
+a state directory). The moment the coordinator's `checkpoint` event for a mid-job
+round is in the events stream (and in its AOF file: with `everysec` Redis may hold
+an acknowledged write back for two seconds while it fsyncs), the redis-server is
+SIGKILLed; once the coordinator has found it gone, a new one starts on the same port
+from the same directory. A copy of the directory taken at the kill is what any
+restart loads: its latest committed manifest must name that checkpoint (or a newer
+one committed in the moment before the kill: never an older one), every layer
+hash-verified, holding the single-process weights of that round. The running coordinator
+rides the outage out (its `redis_outage_s` is far longer), so the job ends with the
+single-process weights and every round committed once.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def _outage_after_the_ack(
     really waits it out instead of missing a short gap between two writes.
     """
     acked = _acknowledged_checkpoint(store, KILL_AFTER, budget.left(150))
+    server.wait_written()  # everysec may hold an acknowledged write back while fsyncing
     server.kill()
     shutil.copytree(server.state_dir, snapshot)
     _wait_for(

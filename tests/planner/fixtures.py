@@ -91,13 +91,16 @@ def layered_profile(
     param_bytes: list[int],
     batch_sizes: tuple[int, ...] = (1,),
     exponent: float = 1.0,
+    backward_s: list[float] | None = None,
 ) -> Profile:
     """A model whose layer i takes forward_s[i] * b**exponent seconds on b samples.
 
-    Backward takes twice the forward; optimizer state equals the parameters.
+    Backward takes backward_s[i] likewise (default: twice the forward); optimizer
+    state equals the parameters.
     An `exponent` below 1 with several `batch_sizes` makes time sublinear in
     the batch, as measured profiles are.
     """
+    backward = backward_s if backward_s is not None else [2 * f for f in forward_s]
     return Profile(
         model="synthetic-layered",
         device="ref",
@@ -106,14 +109,14 @@ def layered_profile(
             LayerProfile(
                 index=i,
                 forward_s=[f * b**exponent for b in batch_sizes],
-                backward_s=[2 * f * b**exponent for b in batch_sizes],
+                backward_s=[g * b**exponent for b in batch_sizes],
                 output_bytes=o,
                 activation_bytes=a,
                 param_bytes=p,
                 optimizer_bytes=p,
             )
-            for i, (f, o, a, p) in enumerate(
-                zip(forward_s, out_bytes, act_bytes, param_bytes, strict=True)
+            for i, (f, g, o, a, p) in enumerate(
+                zip(forward_s, backward, out_bytes, act_bytes, param_bytes, strict=True)
             )
         ],
     )

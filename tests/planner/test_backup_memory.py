@@ -53,19 +53,12 @@ def test_the_pipeline_is_faster_and_fits_only_without_its_replicas() -> None:
     assert cost.plan_memory(DATA_PARALLEL) == {"a": 68, "b": 68}
 
 
-@pytest.mark.parametrize("name", ["asteroid", "optimal"])
+@pytest.mark.parametrize("name", ["asteroid", "duanwu", "optimal"])
 def test_a_memory_aware_planner_picks_the_plan_whose_backups_fit(name: str) -> None:
     cost = two_layer_cost(70)
     plan = get_planner(name).plan(cost, 16, 4)
     assert layout(plan) == [(0, 2, ["a", "b"])]
     assert plan.predicted_peak_bytes == {"a": 68, "b": 68}
-
-
-def test_duanwu_refuses_the_pipeline_whose_backup_overflows() -> None:
-    # its greedy forms a group only when a device cannot take even one layer, so it never
-    # reaches the data-parallel plan; what it must not do is return the overflowing pipeline
-    with pytest.raises(PlanDoesNotFit, match=r"device b needs .* \(short by"):
-        get_planner("duanwu").plan(two_layer_cost(70), 16, 4)
 
 
 @pytest.mark.parametrize("name", ["asteroid", "duanwu", "optimal"])

@@ -1,0 +1,72 @@
+"""What a federation runs: its model, strategy, homes and budget, as a file the service reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.fl.strategies import STRATEGIES, Strategy, make_strategy
+from common.job import JOB_ID_PATTERN, MAX_HOMES
+from common.spec_files import load_spec_file
+from common.zoo import ModelSpec
+
+__all__ = ["FederationSpec", "load_federation"]
+
+
+class FederationSpec(BaseModel):
+    """One federation (`asteroid-federation --spec FILE`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    federation_id: str = Field(
+        pattern=JOB_ID_PATTERN, description="Name of the federation; keys its state in Redis."
+    )
+    model: ModelSpec = Field(description="The model every home trains (zoo name and options).")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the initial global model.")
+    homes: int = Field(ge=1, le=MAX_HOMES, description="Homes to wait for before the first round.")
+    strategy: Literal["ecofl", "fedavg", "fedasync", "fedat", "astraea"] = Field(
+        "ecofl", description="How homes are grouped and updates merged: " + ", ".join(STRATEGIES)
+    )
+    groups: int = Field(2, ge=1, le=MAX_HOMES, description="Groups (ecofl, fedat, astraea).")
+    mixing: float = Field(
+        0.6, gt=0, le=1, description="Weight alpha of a group model merged into the global one."
+    )
+    staleness: Literal["polynomial", "constant"] = Field(
+        "polynomial", description="How a stale group model's weight decays."
+    )
+    exponent: float = Field(0.5, ge=0, le=10, description="The staleness decay's exponent.")
+    rt_fraction: float = Field(
+        0.5, gt=0, le=100, description="Regrouping band RT^g as a fraction of a group's latency."
+    )
+    latency_weight: float = Field(
+        1.0, ge=0, le=1000, description="Weight of latency spread against data gap in COST."
+    )
+    updates: int = Field(20, ge=1, le=1_000_000, description="Global model updates to run.")
+    round_timeout_s: float = Field(
+        600.0, gt=0, le=86_400, description="A group's round ends this long after it started."
+    )
+    eval_digits_seed: int | None = Field(
+        0,
+        ge=0,
+        description="Score each global model on the held-out part of scikit-learn's digits "
+        "split with this seed (None: no scoring).",
+    )
+
+    def make_strategy(self) -> Strategy:
+        """The strategy this spec names, with its parameters."""
+        return make_strategy(
+            self.strategy,
+            self.groups,
+            self.mixing,
+            self.staleness,
+            self.exponent,
+            self.rt_fraction,
+            self.latency_weight,
+        )
+
+
+def load_federation(path: Path) -> FederationSpec:
+    """The federation spec in YAML/JSON file `path` (ConfigError names a bad field)."""
+    return load_spec_file(path, FederationSpec, "federation spec")

@@ -1,0 +1,59 @@
+"""Entry point of `asteroid-federation` (see `services.federation.service`).
+
+Exit codes (`common.exit_codes.ExitCode`): 0 stopped by SIGTERM/SIGINT or done (with
+--exit-when-done), 2 invalid settings or spec, 4 Redis unreachable at start.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import zmq
+
+from common.cli_args import parse_settings
+from common.errors import ConfigError, StoreError
+from common.exit_codes import ExitCode
+from common.fl.spec import load_federation
+from common.logging import configure_logging, get_logger
+from common.settings import FederationSettings
+from services.federation.service import FederationService
+
+__all__ = ["main", "run"]
+
+log = get_logger(__name__)
+
+
+def run(settings: FederationSettings) -> ExitCode:
+    """Serve the federation in `settings.spec`; a bad setting is one log line, not a trace."""
+    try:
+        spec = load_federation(settings.spec)
+        service = FederationService(settings, spec)
+    except ConfigError as exc:
+        log.error("federation cannot start", error=str(exc))
+        return ExitCode.CONFIG
+    except StoreError as exc:
+        log.error("federation cannot start", error=str(exc))
+        return ExitCode.REDIS_UNAVAILABLE
+    except zmq.ZMQError as exc:
+        log.error("cannot bind", address=settings.bind, error=str(exc))
+        return ExitCode.CONFIG
+
+    def _stop(signum: int, _: object) -> None:
+        service.stopping.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    service.serve()
+    return ExitCode.OK
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `asteroid-federation`."""
+    settings = parse_settings(FederationSettings, argv, "asteroid-federation")
+    configure_logging(settings.log_level, settings.log_format, service="federation")
+    sys.exit(int(run(settings)))
+
+
+if __name__ == "__main__":
+    main()

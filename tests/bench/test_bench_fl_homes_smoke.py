@@ -1,0 +1,124 @@
+"""The real-homes FL bench's pure parts: its arguments, curves, table and outputs, no root."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.bench.bench_fl_homes import (
+    ALPHAS,
+    STRATEGIES,
+    TARGETS,
+    RunResult,
+    curve_of,
+    load,
+    main,
+    parse_args,
+    plan_runs,
+    regroup_events,
+    row,
+    save,
+    table,
+    time_to,
+    write_outputs,
+)
+
+
+def _entries() -> list[dict[str, Any]]:
+    """fl-metrics entries as the federation writes them, with a probe round (same version)."""
+    accs = [0.1, 0.45, 0.72, 0.72, 0.81, 0.79, 0.93]
+    versions = [0, 1, 2, 2, 3, 4, 5]
+    regroups: list[list[list[Any]]] = [[], [], [[1, "drop", None]], [[1, "rejoin", 0]], [], [], []]
+    return [
+        {"time_s": 3.0 * i, "version": v, "accuracy": a, "regroups": r, "failed": []}
+        for i, (v, a, r) in enumerate(zip(versions, accs, regroups, strict=True))
+    ]
+
+
+def _plain_first(entries: list[dict[str, Any]], target: float) -> float | None:
+    """The reference: scan every entry, skipping repeats of a version, the plain way."""
+    seen: set[int] = set()
+    for e in entries:
+        if e["version"] in seen:
+            continue
+        seen.add(e["version"])
+        if e["accuracy"] >= target:
+            return float(e["time_s"])
+    return None
+
+
+def test_arguments_and_the_runs_they_plan() -> None:
+    full = parse_args([])
+    assert full.out == Path("bench-results/fl-homes") and full.budget == 120.0
+    assert not full.quick and full.deadline == ""
+    quick = parse_args(["--quick", "--deadline", "13:45"])
+    assert quick.budget == 60.0 and quick.deadline == "13:45"
+    assert parse_args(["--quick", "--budget", "30"]).budget == 30.0
+    with pytest.raises(SystemExit):
+        parse_args(["--budget", "0"])
+    runs = plan_runs(quick=False)
+    grid = [(r.strategy, r.alpha) for r in runs if not r.slowdown]
+    assert sorted(grid) == sorted((s, a) for s in STRATEGIES for a in ALPHAS)
+    assert [(r.strategy, r.slowdown) for r in runs if r.slowdown] == [
+        ("ecofl", True),
+        ("fedat", True),
+    ]
+    short = plan_runs(quick=True)
+    assert {r.strategy for r in short if not r.slowdown} == {"ecofl", "fedavg"}
+    assert {r.alpha for r in short} == {0.5}
+    assert len({r.label for r in runs}) == len(runs)
+
+
+def test_curve_drops_probe_rounds_and_times_to_target_match_a_plain_scan() -> None:
+    entries = _entries()
+    times, accs, versions = curve_of(entries)
+    assert versions == [0, 1, 2, 3, 4, 5]
+    assert times == [0.0, 3.0, 6.0, 12.0, 15.0, 18.0]
+    for target in (0.05, 0.7, 0.8, 0.9, 0.95):
+        assert time_to(times, accs, target) == _plain_first(entries, target)
+    assert time_to(times, accs, 0.95) is None
+    assert regroup_events(entries) == [(6.0, 1, "drop", None), (9.0, 1, "rejoin", 0)]
+
+
+def test_table_rows_from_a_fake_curve() -> None:
+    entries = _entries()
+    r = RunResult("ecofl", 0.5, True, state="budget")
+    r.times, r.accuracies, r.versions = curve_of(entries)
+    r.regroups = regroup_events(entries)
+    cells = row(r)
+    for t in TARGETS:
+        assert cells[f"t{int(t * 100)}"] == _plain_first(entries, t)
+    assert cells["final"] == entries[-1]["accuracy"]
+    assert cells["best"] == max(e["accuracy"] for e in entries)
+    assert cells["updates"] == 5 and cells["regroups"] == 2 and cells["first_s"] == 3.0
+    lines = table([r, RunResult("fedavg", 0.1, False, state="skipped")])
+    assert len(lines) == 4
+    assert lines[2] == (
+        "| ecofl | 0.5 | yes | 3 | 6 | 12 | 18 | 0.930 | 0.930 | 5 | 2 | 18 | budget |"
+    )
+    assert lines[3] == "| fedavg | 0.1 | no | - | - | - | - | - | - | 0 | 0 | - | skipped |"
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+
+def test_outputs_and_replot_from_results_json(tmp_path: Path) -> None:
+    entries = _entries()
+    r = RunResult("fedat", 0.5, True, slowed_at_s=9.0)
+    r.times, r.accuracies, r.versions = curve_of(entries)
+    r.regroups = regroup_events(entries)
+    other = RunResult("fedavg", 0.1, False, times=[0.0, 4.0], accuracies=[0.1, 0.75])
+    other.versions = [0, 1]
+    header = {"command": "x", "wan": "20mbit", "budget": 60, "updates": 10}
+    save(tmp_path, header, [r, other])
+    saved_header, runs = load(tmp_path)
+    assert saved_header == header
+    assert runs[0].regroups == r.regroups and runs[1].accuracies == [0.1, 0.75]
+    write_outputs(tmp_path, saved_header, runs)
+    md = (tmp_path / "results.md").read_text()
+    assert "| fedat | 0.5 | yes | 3 | 6 | 12 | 18 |" in md
+    png = (tmp_path / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "results.md").unlink()
+    assert main(["--out", str(tmp_path), "--replot"]) == 0
+    assert (tmp_path / "results.md").read_text() == md
+    assert json.loads((tmp_path / "results.json").read_text())["runs"][1]["alpha"] == 0.1

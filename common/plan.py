@@ -35,6 +35,15 @@ class Allocation(BaseModel):
 
     device: DeviceId
     share: int = Field(1, ge=1, description="Relative share of every micro-batch.")
+    forward_share: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description=(
+            "Duan & Wu's beta: the fraction of the device's compute given to forwards while "
+            "backwards get the rest, the two running at once. None: one task at a time."
+        ),
+    )
 
 
 class StageSpec(BaseModel):

@@ -21,6 +21,7 @@ __all__ = [
     "PoolView",
     "eval_schedule",
     "next_eval",
+    "next_pair",
     "next_task",
     "parse_action",
     "schedule",
@@ -92,6 +93,30 @@ def next_task(view: PoolView, stage: int, k: int, m: int, policy: str) -> Action
     if not all_forwarded and view.alive < limit and view.next_forward in view.forward_ready:
         return Action(stage, "F", view.next_forward)
     return None
+
+
+def next_pair(
+    view: PoolView, stage: int, k: int, m: int, policy: str
+) -> tuple[Action | None, Action | None]:
+    """The backward and the forward to run now side by side (Duan & Wu), or (None, None).
+
+    A device that splits its compute between a forward lane and a backward
+    lane runs one of each at once. The backward is `next_task`'s; the forward
+    the next one in order, ready, and allowed once that backward has started:
+    its micro-batch then no longer counts against K_p (its saved tensors are
+    freed while the forward runs, so the peak is one micro-batch more than
+    sequential 1F1B for the length of the overlap).
+    """
+    all_forwarded = view.next_forward >= m
+    backward = None
+    if view.backward_ready and (policy == "1f1b" or all_forwarded):
+        backward = Action(stage, "B", min(view.backward_ready))
+    alive = view.alive - (backward is not None)
+    limit = k if policy == "1f1b" else m
+    forward = None
+    if not all_forwarded and alive < limit and view.next_forward in view.forward_ready:
+        forward = Action(stage, "F", view.next_forward)
+    return backward, forward
 
 
 def eval_schedule(stage: int, n: int) -> list[Action]:

@@ -425,6 +425,8 @@ class Worker:
         layers = self._migrate(msg, timings)
         if layers is None:
             self.holdings.reset(msg.epoch, self._backed_up(msg))
+        if self.runner is not None:
+            self.runner.close()
         self.runner = None
         self.runner = StageRunner(
             msg,

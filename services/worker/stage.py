@@ -4,14 +4,17 @@
 the pure `next_task` which task to run, runs it, hands results to the
 dispatcher (which sends while the next task computes), and at round end
 all-reduces gradients inside the group and steps the optimizer once, at the
-learning rate the job's schedule gives that round. Held-out evaluation runs
-through the same routes in `services.worker.evaluate`.
+learning rate the job's schedule gives that round. A device the plan splits
+(Duan & Wu's beta, `Allocation.forward_share`) runs the pair `next_pair` gives
+instead, a forward and a backward at once on `SplitLanes`. Held-out evaluation
+runs through the same routes in `services.worker.evaluate`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -35,7 +38,7 @@ from common.job_data import open_data
 from common.messages import Activation, Assign, Gradient, LayerState, ReduceChunk, StageTimings
 from common.plan import routes
 from common.saved_bytes import SavedBytes, weight_storages
-from common.schedule import Action, PoolView, next_task
+from common.schedule import Action, PoolView, next_pair, next_task
 from common.settings import REDIS_OUTAGE_S
 from common.store import Store
 from common.zoo import ZooModel, build_model
@@ -43,6 +46,7 @@ from services.worker.allreduce import ring_allreduce
 from services.worker.evaluate import EvalResult, evaluate
 from services.worker.faults import FailAt
 from services.worker.holdings import HeldLayer, Holdings
+from services.worker.lanes import SplitLanes
 from services.worker.pool import Expected, TaskPool
 from services.worker.transport import Dispatcher
 
@@ -222,6 +226,10 @@ class StageRunner:
         self.group = [a.device for a in spec.devices]
         self.rank = self.group.index(device)
         self.span = plan.ranges(p)[device]
+        beta = next(a.forward_share for a in spec.devices if a.device == device)
+        self.lanes = SplitLanes(beta) if beta is not None else None
+        """The forward lane beside this thread's backward, when the plan splits the device."""
+        self._progress_lock = threading.Lock()
         self.fwd_routes = (
             []
             if self.last
@@ -315,14 +323,24 @@ class StageRunner:
         state = self.begin_round(round_no, keep, replicate)
         while state.done_b < self.m:
             w0 = time.perf_counter()
-            decide = functools.partial(
-                self._decide, round_no, state.next_f, state.ctx, state.policy
-            )
             what = functools.partial(self._waiting_for, state.next_f, state.ctx)
+            if self.lanes is None:
+                decide = functools.partial(
+                    self._decide, round_no, state.next_f, state.ctx, state.policy
+                )
+                with self.blocked():
+                    action = self.pool.wait(decide, self.timeout, what)
+                state.timings["wait_s"] += time.perf_counter() - w0
+                self.run_task(state, action)
+                continue
+            pair = functools.partial(self._decide_pair, round_no, state.next_f, state.ctx)
             with self.blocked():
-                action = self.pool.wait(decide, self.timeout, what)
+                backward, forward = self.pool.wait(pair, self.timeout, what)
             state.timings["wait_s"] += time.perf_counter() - w0
-            self.run_task(state, action)
+            self.lanes.run(
+                None if forward is None else functools.partial(self.run_task, state, forward),
+                None if backward is None else functools.partial(self.run_task, state, backward),
+            )
         return self.end_round(state)
 
     def begin_round(
@@ -352,7 +370,12 @@ class StageRunner:
             return self._decide(state.round_no, state.next_f, state.ctx, state.policy)
 
     def run_task(self, state: RoundState, action: Action) -> None:
-        """Run one forward or backward; tell the pool what its forward keeps until the backward."""
+        """Run one forward or backward; tell the pool what its forward keeps until the backward.
+
+        A forward and a backward may run at once (`SplitLanes`): each touches
+        its own fields of `state` (dictionary entries of other micro-batches)
+        and counts progress under a lock.
+        """
         c0 = time.perf_counter()
         mb = action.mb
         if action.kind == "F":
@@ -374,7 +397,7 @@ class StageRunner:
             self._backward(state.round_no, mb, *state.ctx.pop(mb))
             self.pool.release_saved(state.kept.pop(mb))
             state.done_b += 1
-            self.progress += 1
+            self._advance()
             state.timings["backward_s"] += time.perf_counter() - c0
 
     def end_round(self, state: RoundState) -> RoundResult:
@@ -389,7 +412,7 @@ class StageRunner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        self.progress += 1
+        self._advance()
         if self.fail_at is not None:
             self.fail_at.check(round_no, "step")
         t["allreduce_s"] = s0 - a0
@@ -402,19 +425,30 @@ class StageRunner:
         self.in_round = False
         return res
 
-    def _decide(
-        self, round_no: int, next_f: int, ctx: dict[int, Any], policy: str
-    ) -> Action | None:
-        """Ask the pure scheduler what to run now (called under the pool's lock)."""
+    def _view(self, round_no: int, next_f: int, ctx: dict[int, Any]) -> PoolView:
+        """What the scheduler sees now (called under the pool's lock)."""
         # a gradient is only a task once its forward ran here (ctx holds it)
         alive = frozenset(ctx)
-        view = PoolView(
+        return PoolView(
             next_forward=next_f,
             alive=len(ctx),
             forward_ready=self._own_inputs if self.first else self.pool.ready(round_no, "F"),
             backward_ready=alive if self.last else self.pool.ready(round_no, "B") & alive,
         )
-        return next_task(view, self.p, self.k, self.m, policy)
+
+    def _decide(
+        self, round_no: int, next_f: int, ctx: dict[int, Any], policy: str
+    ) -> Action | None:
+        """Ask the pure scheduler what to run now (called under the pool's lock)."""
+        return next_task(self._view(round_no, next_f, ctx), self.p, self.k, self.m, policy)
+
+    def _decide_pair(
+        self, round_no: int, next_f: int, ctx: dict[int, Any]
+    ) -> tuple[Action | None, Action | None] | None:
+        """The backward and forward to run side by side now, or None (under the pool's lock)."""
+        view = self._view(round_no, next_f, ctx)
+        pair = next_pair(view, self.p, self.k, self.m, self.assign.job.policy)
+        return None if pair == (None, None) else pair
 
     def _waiting_for(self, next_f: int, ctx: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> str:
         if ctx and not self.last:
@@ -504,7 +538,17 @@ class StageRunner:
 
     def _forwarded(self, *_: object) -> None:
         """Count a forward of the stage (a hook: held-out evaluation runs forwards too)."""
-        self.progress += 1
+        self._advance()
+
+    def _advance(self) -> None:
+        """Count a finished task; the forward lane counts too, hence the lock."""
+        with self._progress_lock:
+            self.progress += 1
+
+    def close(self) -> None:
+        """Stop the forward lane, if any (the runner is being replaced)."""
+        if self.lanes is not None:
+            self.lanes.close()
 
     @contextlib.contextmanager
     def blocked(self) -> Iterator[None]:

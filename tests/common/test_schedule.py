@@ -24,6 +24,7 @@ from common.schedule import (
     PoolView,
     eval_schedule,
     next_eval,
+    next_pair,
     next_task,
     parse_action,
     schedule,
@@ -87,6 +88,74 @@ def test_dynamic_1f1b_respects_k_and_finishes(s, m):
 def test_dynamic_gpipe_holds_all_m(s, m):
     _, peak = simulate_dynamic(s, m, "gpipe")
     assert peak == [m] * s
+
+
+def simulate_pairs(s, m, policy):
+    """Every stage runs `next_pair`'s backward and forward in one tick; traces and peaks.
+
+    The peak counts the backward's micro-batch as alive for the whole tick, the
+    forward's activations being made before the backward frees its own.
+    """
+    ks = [k_of(p, s, m) for p in range(s)]
+    fwd_done = [set() for _ in range(s)]
+    bwd_done = [set() for _ in range(s)]
+    nf, alive, peak = [0] * s, [set() for _ in range(s)], [0] * s
+    trace, pairs = [[] for _ in range(s)], [0] * s
+    progress = True
+    while progress:
+        progress = False
+        views = [_view(p, s, m, nf, alive, fwd_done, bwd_done) for p in range(s)]
+        for p in range(s):  # every stage decides on the same tick's view, then all run
+            b, f = next_pair(views[p], p, ks[p], m, policy)
+            if b is None and f is None:
+                continue
+            progress = True
+            pairs[p] += b is not None and f is not None
+            if f is not None:
+                trace[p].append(f)
+                alive[p].add(f.mb)
+                nf[p] += 1
+            peak[p] = max(peak[p], len(alive[p]))
+            if b is not None:
+                trace[p].append(b)
+                alive[p].remove(b.mb)
+                bwd_done[p].add(b.mb)
+            if f is not None:
+                fwd_done[p].add(f.mb)
+    assert all(len(b) == m for b in bwd_done), f"deadlock: {trace}"
+    return trace, peak, pairs
+
+
+@pytest.mark.parametrize("policy", ["1f1b", "gpipe"])
+@given(s=st.integers(1, 6), m=st.integers(1, 12))
+def test_pairs_finish_obey_the_rules_and_hold_at_most_one_more_than_k(policy, s, m):
+    trace, peak, pairs = simulate_pairs(s, m, policy)
+    for p in range(s):
+        check_stage_rules(trace[p], m)
+        limit = k_of(p, s, m) if policy == "1f1b" else m
+        assert peak[p] <= limit + 1
+    if policy == "1f1b" and m > k_of(0, s, m):
+        assert pairs[0] > 0  # the first stage's inputs are always ready: it overlaps
+
+
+def test_a_pair_is_the_sequential_backward_and_the_forward_it_unblocks():
+    view = PoolView(
+        next_forward=3, alive=3, forward_ready=frozenset({3}), backward_ready=frozenset({0})
+    )
+    assert next_task(view, 0, 3, 8, "1f1b") == Action(0, "B", 0)  # in turn: the backward first
+    assert next_pair(view, 0, 3, 8, "1f1b") == (Action(0, "B", 0), Action(0, "F", 3))
+    waiting = PoolView(
+        next_forward=3, alive=3, forward_ready=frozenset(), backward_ready=frozenset({0})
+    )
+    assert next_pair(waiting, 0, 3, 8, "1f1b") == (Action(0, "B", 0), None)
+    full = PoolView(
+        next_forward=3, alive=3, forward_ready=frozenset({3}), backward_ready=frozenset()
+    )
+    assert next_pair(full, 0, 3, 8, "1f1b") == (None, None)
+    gpipe = PoolView(
+        next_forward=3, alive=3, forward_ready=frozenset({3}), backward_ready=frozenset({0})
+    )
+    assert next_pair(gpipe, 0, 3, 8, "gpipe") == (None, Action(0, "F", 3))
 
 
 def check_stage_rules(actions, m):

@@ -138,24 +138,18 @@ def test_pairs_finish_obey_the_rules_and_hold_at_most_one_more_than_k(policy, s,
         assert pairs[0] > 0  # the first stage's inputs are always ready: it overlaps
 
 
+def _at_k(forward: set[int], backward: set[int]) -> PoolView:
+    """Stage 0 with K_p = 3 micro-batches alive and forward 3 next."""
+    return PoolView(3, 3, frozenset(forward), frozenset(backward))
+
+
 def test_a_pair_is_the_sequential_backward_and_the_forward_it_unblocks():
-    view = PoolView(
-        next_forward=3, alive=3, forward_ready=frozenset({3}), backward_ready=frozenset({0})
-    )
+    view = _at_k({3}, {0})
     assert next_task(view, 0, 3, 8, "1f1b") == Action(0, "B", 0)  # in turn: the backward first
     assert next_pair(view, 0, 3, 8, "1f1b") == (Action(0, "B", 0), Action(0, "F", 3))
-    waiting = PoolView(
-        next_forward=3, alive=3, forward_ready=frozenset(), backward_ready=frozenset({0})
-    )
-    assert next_pair(waiting, 0, 3, 8, "1f1b") == (Action(0, "B", 0), None)
-    full = PoolView(
-        next_forward=3, alive=3, forward_ready=frozenset({3}), backward_ready=frozenset()
-    )
-    assert next_pair(full, 0, 3, 8, "1f1b") == (None, None)
-    gpipe = PoolView(
-        next_forward=3, alive=3, forward_ready=frozenset({3}), backward_ready=frozenset({0})
-    )
-    assert next_pair(gpipe, 0, 3, 8, "gpipe") == (None, Action(0, "F", 3))
+    assert next_pair(_at_k(set(), {0}), 0, 3, 8, "1f1b") == (Action(0, "B", 0), None)
+    assert next_pair(_at_k({3}, set()), 0, 3, 8, "1f1b") == (None, None)
+    assert next_pair(view, 0, 3, 8, "gpipe") == (None, Action(0, "F", 3))
 
 
 def check_stage_rules(actions, m):

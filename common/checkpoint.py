@@ -259,8 +259,12 @@ def commit_checkpoint(
     round_no: int,
     num_layers: int,
     digests: Sequence[Mapping[str, str]] | None = None,
+    version: int | None = None,
 ) -> None:
     """Publish checkpoint `round_no` once every layer is written.
+
+    `version` names the weight version it holds (updates applied: the round in
+    sync mode, every mini-batch's update in async mode), recorded in the manifest.
 
     `digests` (per stage, each device's `stage_digest`) are recorded in the
     manifest, and so is the sha256 of each layer blob (from the blob manifests
@@ -274,6 +278,8 @@ def commit_checkpoint(
     if missing:
         raise CheckpointError(f"checkpoint round {round_no} of job {job} lacks layers {missing}")
     manifest: dict[str, Any] = {"round": round_no, "layers": num_layers, "time": time.time()}
+    if version is not None:
+        manifest["version"] = version
     hashes = {str(i): m["sha256"] for i, m in enumerate(manifests) if m and "sha256" in m}
     if hashes:
         manifest["sha256"] = hashes

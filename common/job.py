@@ -227,6 +227,20 @@ class JobSpec(_Strict):
     )
     optimizer: OptimizerSpec = Field(OptimizerSpec(), description="Optimizer and schedule.")
     policy: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule.")
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: each round one step of the whole batch (exact); async (FTPipeHD, "
+        "PipeDream): every micro-batch is a mini-batch updated right after its backward, "
+        "no flush inside a round (a window), weight stashing and vertical sync; a pipeline "
+        "of single-device stages only.",
+    )
+    aggregate_every: int = Field(
+        0,
+        ge=0,
+        le=MAX_ROUNDS,
+        description="async: every this many updates, replace the weights by the mean of the "
+        "last K_0 updated versions (FTPipeHD's weight aggregation; 0: never).",
+    )
     planner: str = Field("asteroid", description="Planner that makes the plan.")
     eval_every: int = Field(
         0, ge=0, description="Rounds between held-out evaluations (0: only after the last)."
@@ -272,6 +286,15 @@ class JobSpec(_Strict):
         # a job is the job's, so it is checked here, before any layer is allocated.
         if not 1 <= v.num_classes <= MAX_CLASSES:
             raise ValueError(f"num_classes must be in [1, {MAX_CLASSES}], got {v.num_classes}")
+        return v
+
+    @field_validator("aggregate_every")
+    @classmethod
+    def _async_only(cls, v: int, info: ValidationInfo) -> int:
+        if v and info.data.get("mode") != "async":
+            raise ValueError("aggregate_every is for mode: async")
+        if info.data.get("mode") == "async" and info.data.get("policy", "1f1b") != "1f1b":
+            raise ValueError("mode: async runs 1F1B (policy: 1f1b)")
         return v
 
     @field_validator("micro_batch")

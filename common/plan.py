@@ -25,6 +25,7 @@ __all__ = [
     "load_plan",
     "routes",
     "split_ranges",
+    "validate_async",
 ]
 
 
@@ -159,6 +160,23 @@ class Plan(BaseModel):
                     f"stage {i} warm-up K={self.warmup(i)} is below stage {i + 1}'s "
                     f"K={self.warmup(i + 1)}; 1F1B would deadlock"
                 )
+
+
+def validate_async(plan: Plan) -> None:
+    """Raise PlanError unless `plan` can run `mode: async`: one device per stage, unsplit.
+
+    Every micro-batch updates the weights in async mode, so a data-parallel group
+    would all-reduce after each one; and a device split by beta would run a
+    forward on a version its backward is changing.
+    """
+    for i, stage in enumerate(plan.stages):
+        if len(stage.devices) != 1:
+            raise PlanError(
+                f"mode async runs a pipeline of single-device stages; stage {i} has "
+                f"{len(stage.devices)} devices"
+            )
+        if stage.devices[0].forward_share is not None:
+            raise PlanError(f"mode async does not split devices; stage {i} has a forward_share")
 
 
 def split_ranges(total: int, shares: list[int]) -> list[tuple[int, int]]:

@@ -136,6 +136,79 @@ def reference_train(
     return net.state_dict(), losses
 
 
+def reference_train_async(
+    model: dict[str, Any],
+    seed: int,
+    global_batch: int,
+    microbatches: int,
+    k0: int,
+    rounds: int,
+    optimizer: dict[str, Any],
+    *,
+    aggregate_every: int = 0,
+    dataset: dict[str, Any] | None = None,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """`mode: async` on one process: delayed gradients in the first stage's 1F1B order.
+
+    Each window replays the first stage's textbook 1F1B (`k0` warm-up forwards,
+    then a backward and a forward in turn): a forward runs on the weight
+    version current at that moment, its backward gives the gradient of that
+    version, and the update goes to the current weights; every
+    `aggregate_every` updates the weights become the mean of the last `k0`
+    updated versions. Returns the final weights and each window's loss.
+    """
+    job = reference_job(model, seed, optimizer, dataset, rounds)
+    zoo = build_model(job.model, seed)
+    net = zoo.full().train()
+    data = open_data(job, zoo)
+    spec = job.optimizer
+    opt = reference_optimizer(list(net.parameters()), spec)
+    micro = global_batch // microbatches
+    losses = []
+    for r in range(rounds):
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(spec, r, rounds)
+        versions = [_params(net)]
+        updated: list[int] = []
+        pending: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+        window = 0.0
+        warm = min(k0, microbatches)
+        order = [("F", j) for j in range(warm)]
+        for j in range(microbatches):
+            order.append(("B", j))
+            if warm + j < microbatches:
+                order.append(("F", warm + j))
+        for kind, j in order:
+            if kind == "F":
+                x, y = data.train_batch(r * global_batch + j * micro, micro)
+                params = {n: t.clone().requires_grad_(True) for n, t in versions[-1].items()}
+                summed = nn.functional.cross_entropy(
+                    torch.func.functional_call(net, params, (x,)), y, reduction="sum"
+                )
+                window += float(summed.detach() / global_batch)
+                pending[j] = (params, summed / micro)
+                continue
+            params, loss = pending.pop(j)
+            loss.backward()
+            for name, p in net.named_parameters():
+                p.grad = params[name].grad
+            opt.step()
+            versions.append(_params(net))
+            updated.append(len(versions) - 1)
+            if aggregate_every and len(updated) % aggregate_every == 0:
+                recent = [versions[v] for v in updated[-k0:]]
+                with torch.no_grad():
+                    for name, p in net.named_parameters():
+                        p.copy_(torch.stack([v[name] for v in recent]).mean(dim=0))
+                versions.append(_params(net))
+        losses.append(window)
+    return net.state_dict(), losses
+
+
+def _params(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in net.named_parameters()}
+
+
 def reference_eval(
     model: dict[str, Any],
     seed: int,

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+from common.async_versions import changes_per_window
 from common.checkpoint import check_replicas
 from common.errors import CheckpointError
 from common.ids import DeviceId
@@ -251,7 +252,8 @@ def _completed(run: Run, replies: Mapping[DeviceId, Message], now: float) -> Out
     saved = {d: m for d, m in replies.items() if isinstance(m, CheckpointSaved)}
     if run.phase == "collect":
         rec = known(run.recovery, "the recovery")
-        commit = CommitCheckpoint(known(rec.version, "the recovery's version"), run.layers, None)
+        at = known(rec.version, "the recovery's version")
+        commit = CommitCheckpoint(at, run.layers, None, _weight_version(run, at))
         run, more = recovering.resume(replace(run, wait=None), now)
         return run, [commit, *more]
     return _checkpoint_done(run, saved, now)
@@ -569,4 +571,14 @@ def _checkpoint_done(run: Run, saved: Mapping[DeviceId, CheckpointSaved], now: f
         return fail(run, str(exc))
     summary = replace(run.summary, checkpoints=(*run.summary.checkpoints, round_no))
     run, more = _next_round(replace(run, summary=summary, wait=None), now)
-    return run, [CommitCheckpoint(round_no, run.layers, digests), *more]
+    return run, [
+        CommitCheckpoint(round_no, run.layers, digests, _weight_version(run, round_no)),
+        *more,
+    ]
+
+
+def _weight_version(run: Run, round_no: int) -> int:
+    """Weight changes after `round_no` rounds: one per round, or per window's mini-batches."""
+    if run.job.mode == "sync":
+        return round_no
+    return round_no * changes_per_window(run.plan.microbatches, run.job.aggregate_every)

@@ -352,6 +352,8 @@ class CommitCheckpoint:
     round: int
     layers: int
     digests: tuple[Mapping[str, str], ...] | None
+    version: int
+    """Weight changes the checkpoint holds: its round in sync mode, more in async mode."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from common.job_data import train_size
 from common.lifecycle import TERMINAL, JobState, advance
 from common.logging import bind_global, get_logger
 from common.messages import LinksMeasured, PlanRequest
-from common.plan import Plan
+from common.plan import Plan, validate_async
 from common.profile import ClusterSpec, load_profiles
 from common.secrets import mask_text
 from common.store import OUTAGE
@@ -346,6 +346,8 @@ class JobRun:
         if self.initial is not None:
             model.load_state_dict(self.initial)
         plan.validate_for(len(model))
+        if job.mode == "async":
+            validate_async(plan)
         store = self.store
         coord.durable(
             "storing the plan", lambda: store.put_json(plan.model_dump(mode="json"), "plan", jid)
@@ -489,6 +491,8 @@ class JobRun:
         slowdowns = cmd.slowdowns if isinstance(cmd, PlanAgain) else {}
         try:
             plan, current_s = self._planned(members, None, current, slowdowns)
+            if self.job.mode == "async":
+                validate_async(plan)
         except (AsteroidError, RecoveryImpossible) as exc:
             return PlanFailed(str(exc))
         return PlanReady(plan, (current_s or None) if current is not None else None)
@@ -499,7 +503,7 @@ class JobRun:
 
         def commit() -> None:
             digests = None if cmd.digests is None else [dict(d) for d in cmd.digests]
-            commit_checkpoint(store, jid, cmd.round, cmd.layers, digests)
+            commit_checkpoint(store, jid, cmd.round, cmd.layers, digests, cmd.version)
             if cmd.digests is not None:
                 store.append("events", jid, {"event": "checkpoint", "round": cmd.round})
             store.wait_durable()

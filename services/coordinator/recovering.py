@@ -19,7 +19,7 @@ from common.errors import ConfigError
 from common.ids import DeviceId
 from common.ledger import rollback_entry
 from common.messages import CheckpointSaved, Collect
-from common.plan import Plan
+from common.plan import Plan, validate_async
 from services.coordinator.core import Log
 from services.coordinator.job_state import (
     Append,
@@ -272,6 +272,8 @@ def _planned(run: Run, rec: Recovery, plan: Plan, now: float) -> Out:
     """A plan for the survivors: gather (heavy), migrate (lightweight) or use the checkpoint."""
     try:
         plan.validate_for(run.layers)
+        if run.job.mode == "async":
+            validate_async(plan)
     except ConfigError as exc:
         return fail(run, f"{rec.reason}; cannot re-plan on {_survivors(run, rec)}: {exc}")
     gone = set(rec.lost)

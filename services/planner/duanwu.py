@@ -17,6 +17,9 @@ keeping every reachable cut) decides, so the bound is exact. Algorithm 2 builds
 q device groups the paper's way (the slowest group takes the device that
 speeds it up most) and then improves them by local search (moves, swaps and
 stage-order swaps accepted while they lower Algorithm 1's bound).
+
+The plan carries each device's beta as its allocation's `forward_share`, so
+the workers run the split and the simulator scores the plan as they run it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from common.errors import ConfigError
+from common.errors import ConfigError, PlanError
 from common.plan import Plan, StageSpec, routes
 from services.planner.balance import balance, capacity, fit_backups, proportional
 from services.planner.base import (
@@ -39,8 +42,10 @@ from services.planner.base import (
     stage,
 )
 from services.planner.cost import CostModel
+from services.planner.simulator import SimResult, simulate
 
 __all__ = [
+    "BETA_RANGE",
     "DuanWuPlanner",
     "Grouping",
     "Partition",
@@ -48,14 +53,20 @@ __all__ = [
     "algorithm1",
     "algorithm2",
     "brute_force_grouping",
+    "clip_beta",
     "concurrent_round",
     "initial_grouping",
     "optimal_beta",
+    "split_peaks",
+    "split_specs",
     "split_time",
 ]
 
 INF = float("inf")
 _REL_TOL = 1e-9  # binary search stops when the bracket is this small, relative
+# The forward share a plan may give: a lane with almost nothing of the device
+# would turn a stray sample or a profiling error into an endless task.
+BETA_RANGE = (0.05, 0.95)
 
 
 def optimal_beta(forward_s: float, backward_s: float) -> float:
@@ -68,6 +79,12 @@ def optimal_beta(forward_s: float, backward_s: float) -> float:
         raise ValueError(f"phase times must be >= 0, got F={forward_s}, B={backward_s}")
     whole = forward_s + backward_s
     return 0.5 if whole == 0 else forward_s / whole
+
+
+def clip_beta(beta: float) -> float:
+    """`beta` held inside `BETA_RANGE`, the forward share a plan may carry."""
+    lo, hi = BETA_RANGE
+    return min(max(beta, lo), hi)
 
 
 def split_time(forward_s: float, backward_s: float, beta: float) -> float:
@@ -474,23 +491,107 @@ def _specs(
     return specs
 
 
+def split_specs(cost: CostModel, plan: Plan) -> list[StageSpec]:
+    """`plan`'s stages with each device's clipped optimal beta as its forward share.
+
+    A device whose budget cannot hold the micro-batch the overlap adds (see
+    `split_peaks`) keeps forward_share None and runs one task at a time, so
+    the split never makes a plan that fitted overflow.
+    """
+    betas = DuanWuPlanner.betas(cost, plan)
+    budget = {d.name: d.memory_bytes for d in cost.cluster.devices}
+    peaks = split_peaks(cost, plan, split=True)
+    return [
+        spec.model_copy(
+            update={
+                "devices": [
+                    a.model_copy(
+                        update={
+                            "forward_share": clip_beta(betas[a.device])
+                            if peaks[a.device] <= budget[a.device]
+                            else None
+                        }
+                    )
+                    for a in spec.devices
+                ]
+            }
+        )
+        for spec in plan.stages
+    ]
+
+
+def split_peaks(cost: CostModel, plan: Plan, split: bool | None = None) -> dict[str, int]:
+    """Predicted peak bytes per device when the splitting devices overlap their pair.
+
+    `CostModel.plan_memory` counts K_p micro-batches in flight; a device that
+    runs a forward beside a backward holds one more while they overlap (capped
+    at M: there are no more). `split` None counts the extra micro-batch for the
+    devices whose allocation has a forward share, True for every device.
+    """
+    base = cost.plan_memory(plan)
+    reserved = cost.reserved(plan)
+    out: dict[str, int] = {}
+    for s, spec in enumerate(plan.stages):
+        k = plan.warmup(s)
+        ranges = plan.ranges(s)
+        for a in spec.devices:
+            lo, hi = ranges[a.device]
+            if split or (split is None and a.forward_share is not None):
+                k_split = min(k + 1, plan.microbatches)
+                need = cost.memory(spec.start, spec.end, hi - lo, k_split)
+                out[a.device] = need + reserved[a.device]
+            else:
+                out[a.device] = base[a.device]
+    return out
+
+
+def _round(plan: Plan, cost: CostModel) -> SimResult | None:
+    """The simulated round of `plan`, or None when the runtime could not finish it."""
+    try:
+        return simulate(plan, cost)
+    except PlanError:
+        return None
+
+
+def _idle_s(res: SimResult) -> float:
+    """Of the round, the longest a device spends with neither lane computing."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in res.events:
+        if e.kind in ("F", "B"):
+            spans.setdefault(e.device, []).append((e.start, e.end))
+    busy: dict[str, float] = {}
+    for dev, xs in spans.items():
+        total, reach = 0.0, -INF
+        for start, end in sorted(xs):
+            if end > reach:
+                total += end - max(start, reach)
+                reach = end
+        busy[dev] = total
+    return max(0.0, res.round_s - max(busy.values(), default=0.0))
+
+
 @register
 class DuanWuPlanner(Planner):
     """Duan & Wu (2022): Algorithm 1's partition over Algorithm 2's device groups.
 
     Every pipeline depth q from 1 to min(devices, layers) is grouped by
-    Algorithm 2 and partitioned by Algorithm 1; the candidates are tried in the
-    order of their `concurrent_round` prediction and the first whose plan fits
-    every budget (`finish`, backup replicas counted) is returned. The optimal
-    split beta of each device is not part of the Plan schema, which has no
-    field for it; `betas` derives it from a plan, and running it is the
-    runtime's business (today's workers run forward and backward in turn).
+    Algorithm 2 and partitioned by Algorithm 1; each candidate's devices get
+    their optimal split beta (`betas`, clipped to `BETA_RANGE`) as the
+    allocation's `forward_share`, which the workers run as concurrent forward
+    and backward lanes (`common.schedule.next_pair`). Each candidate is also
+    kept unsplit: under the workers' rules (K_p, a pair ends when both halves
+    have) the split often loses to plain 1F1B, so the simulator decides. The
+    candidates are tried in the order of their simulated round and the first
+    whose plan fits every budget (`finish`, backup replicas counted) is
+    returned. Its predicted round and idle time come from the simulator (the
+    dominant-step estimate `finish` uses knows nothing of lanes) and its peak
+    memory counts the micro-batch a splitting device adds (`split_peaks`).
     """
 
     name = "duanwu"
 
     def plan(self, cost: CostModel, global_batch: int, microbatches: int) -> Plan:
-        """The fitting plan with the best concurrent-split prediction over all depths."""
+        """The fitting plan with the best simulated split round over all depths."""
         micro = micro_size(global_batch, microbatches)
         require_fits_somewhere(cost, micro)
         devs = [d.name for d in cost.cluster.devices]
@@ -503,14 +604,26 @@ class DuanWuPlanner(Planner):
                 continue
             raw = Plan(stages=specs, global_batch=global_batch, microbatches=microbatches)
             fitted = fit_backups(cost, raw)
-            specs = list(fitted.stages) if fitted is not None else specs
-            candidates.append((concurrent_round(raw, cost), specs))
+            fitted = raw if fitted is None else fitted
+            split = fitted.model_copy(update={"stages": split_specs(cost, fitted)})
+            for variant in (split, fitted):  # the split only where the simulator says it pays
+                res = _round(variant, cost)
+                candidates.append((INF if res is None else res.round_s, list(variant.stages)))
         failures: list[str] = []
         for _, specs in sorted(candidates, key=lambda c: c[0]):
             try:
-                return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=True)
+                plan = finish(self.name, cost, specs, global_batch, microbatches, memory_aware=True)
             except PlanDoesNotFit as exc:
                 failures.extend(exc.violations)
+                continue
+            res = simulate(plan, cost)
+            return plan.model_copy(
+                update={
+                    "predicted_round_s": res.round_s,
+                    "predicted_comm_s": _idle_s(res),
+                    "predicted_peak_bytes": split_peaks(cost, plan),
+                }
+            )
         raise PlanDoesNotFit(
             f"planner {self.name} found no grouping of {len(devs)} devices whose plan fits "
             f"the budgets for a {micro}-sample micro-batch"
@@ -520,7 +633,7 @@ class DuanWuPlanner(Planner):
 
     @staticmethod
     def betas(cost: CostModel, plan: Plan) -> dict[str, float]:
-        """Each device's optimal forward share for its stage and samples in `plan`."""
+        """Each device's optimal forward share for its stage and samples in `plan` (unclipped)."""
         out: dict[str, float] = {}
         for s, spec in enumerate(plan.stages):
             for d, (lo, hi) in plan.ranges(s).items():

@@ -8,6 +8,14 @@ on, and each stage group all-reduces once all its devices finished their last
 backward. Because the decisions come from the worker's own scheduler, the
 simulator scores a plan under the exact schedule the workers will follow.
 
+A device whose allocation has a `forward_share` beta (Duan & Wu) asks
+`next_pair` instead and starts the backward and the forward it returns
+together, each on its own lane: a forward lasts F / beta, a backward
+B / (1 - beta), also when it runs without a partner. Like the worker, it makes
+its next decision only once both have ended (it joins the pair), while each
+action's sends leave as soon as that action ends. Both kinds of device share
+one event loop; they differ only in the decision function and the lane rates.
+
 `estimate` is the cheap closed form planners use inside their search loops; the
 simulator is the referee that checks it (tests/planner/test_simulator.py).
 """
@@ -21,7 +29,7 @@ from typing import Literal
 
 from common.errors import PlanError
 from common.plan import Plan, Route, routes
-from common.schedule import POLICIES, Action, PoolView, next_task
+from common.schedule import POLICIES, Action, PoolView, next_pair, next_task
 from services.planner.cost import CostModel
 
 __all__ = ["Event", "SimResult", "estimate", "estimate_parts", "simulate"]
@@ -54,13 +62,19 @@ class SimResult:
             single-device group, the last backward) ends. The optimizer step is
             not simulated: it is the same on every plan that keeps the same
             parameters per device and would only shift all plans alike.
-        bubble_fraction: Share of device-time not spent in forward or backward
-            (waiting, and the all-reduce) over all devices and the whole round.
+        bubble_fraction: Share of device capacity not spent in forward or
+            backward (waiting, and the all-reduce) over all devices and the
+            whole round. A lane counts with its share of the device, so a
+            device splitting its compute is idle in part when one lane is.
         peak_bytes: Per device, `CostModel.memory` with the simulated peak of
             alive micro-batches (`max_alive`), not just K_p.
         max_alive: Per device, the most micro-batches whose activations were
-            kept for backward at once.
+            kept for backward at once. A forward that runs beside a backward
+            counts from its start: it builds its activations while the
+            backward still holds its own, one micro-batch more than a device
+            running one task at a time reaches.
         events: Every compute, transfer and all-reduce interval, in start order.
+            A splitting device's forward and backward intervals overlap.
         samples: Samples the round trains on (micro-batch size x micro-batches).
 
     """
@@ -80,7 +94,12 @@ class SimResult:
 
 @dataclass
 class _Device:
-    """Mutable state of one simulated worker (its pool and scheduler progress)."""
+    """Mutable state of one simulated worker (its pool and scheduler progress).
+
+    `f_s` and `b_s` are the task durations on the device's lanes, `f_rate` and
+    `b_rate` the share of the device each lane gets (1 for a device that runs
+    one task at a time, beta and 1 - beta for one that splits).
+    """
 
     name: str
     stage: int
@@ -90,9 +109,12 @@ class _Device:
     bwd_routes: list[Route]  # gradients it sends upstream (route src is the receiver)
     fwd_parts: int  # activation parts that complete a forward task
     bwd_parts: int  # gradient parts that complete a backward task
+    split: bool = False  # runs next_pair's forward and backward side by side
+    f_rate: float = 1.0
+    b_rate: float = 1.0
     next_f: int = 0
     done_b: int = 0
-    busy: bool = False
+    running: int = 0  # actions started at the last decision and not yet ended
     alive: set[int] = field(default_factory=set)
     max_alive: int = 0
     f_got: dict[int, int] = field(default_factory=lambda: defaultdict(int))
@@ -146,21 +168,25 @@ def simulate(plan: Plan, cost: CostModel, policy: str = "1f1b") -> SimResult:
             forward_ready=frozenset(range(m)) if d.stage == 0 else frozenset(d.f_ready),
             backward_ready=frozenset(d.alive) if d.stage == last else frozenset(d.b_ready),
         )
-        action = next_task(view, d.stage, ks[d.stage], m, policy)
-        if action is None:
-            return
-        d.busy = True
-        if action.kind == "F":
-            d.f_ready.discard(action.mb)
-            end = now + d.f_s
+        if d.split:
+            actions = [a for a in next_pair(view, d.stage, ks[d.stage], m, policy) if a]
         else:
-            d.b_ready.discard(action.mb)
-            end = now + d.b_s
-        events.append(Event(d.name, action.kind, now, end, action.mb))
-        push(end, action.kind, d.name, action.mb)
+            actions = [a for a in [next_task(view, d.stage, ks[d.stage], m, policy)] if a]
+        if len(actions) == 2:  # the forward's activations grow beside the backward's
+            d.max_alive = max(d.max_alive, len(d.alive) + 1)
+        for action in actions:
+            d.running += 1
+            if action.kind == "F":
+                d.f_ready.discard(action.mb)
+                end = now + d.f_s
+            else:
+                d.b_ready.discard(action.mb)
+                end = now + d.b_s
+            events.append(Event(d.name, action.kind, now, end, action.mb))
+            push(end, action.kind, d.name, action.mb)
 
     def finish(d: _Device, action: Action, now: float) -> None:
-        d.busy = False
+        d.running -= 1
         stage = plan.stages[d.stage]
         if action.kind == "F":
             d.next_f += 1
@@ -199,7 +225,7 @@ def simulate(plan: Plan, cost: CostModel, policy: str = "1f1b") -> SimResult:
             else:
                 finish(d, Action(d.stage, "F" if what == "F" else "B", mb), now)
         for d in dirty.values():
-            if not d.busy and d.done_b < m:
+            if not d.running and d.done_b < m:
                 decide(d, now)
 
     stuck = [d for d in devs.values() if d.done_b < m]
@@ -209,7 +235,7 @@ def simulate(plan: Plan, cost: CostModel, policy: str = "1f1b") -> SimResult:
 
 
 def _build(plan: Plan, cost: CostModel) -> dict[str, _Device]:
-    """Per-device state with its routes, task durations and part counts."""
+    """Per-device state with its routes, lane rates, task durations and part counts."""
     seen: set[str] = set()
     for s, stage in enumerate(plan.stages):
         if not 0 <= stage.start < stage.end <= cost.num_layers:
@@ -226,14 +252,20 @@ def _build(plan: Plan, cost: CostModel) -> dict[str, _Device]:
     for s, stage in enumerate(plan.stages):
         down = links[s] if s < len(links) else []
         up = links[s - 1] if s > 0 else []
+        betas = {a.device: a.forward_share for a in stage.devices}
         for name, (lo, hi) in plan.ranges(s).items():
             fwd = [r for r in down if r.src == name]
             bwd = [r for r in up if r.dst == name]
+            beta = betas[name]
+            f_rate, b_rate = (1.0, 1.0) if beta is None else (beta, 1.0 - beta)
             devs[name] = _Device(
                 name=name,
                 stage=s,
-                f_s=cost.compute(name, stage.start, stage.end, hi - lo, "F"),
-                b_s=cost.compute(name, stage.start, stage.end, hi - lo, "B"),
+                f_s=cost.compute(name, stage.start, stage.end, hi - lo, "F") / f_rate,
+                b_s=cost.compute(name, stage.start, stage.end, hi - lo, "B") / b_rate,
+                split=beta is not None,
+                f_rate=f_rate,
+                b_rate=b_rate,
                 fwd_routes=fwd,
                 bwd_routes=bwd,
                 # the worker's pool needs parts covering its whole (non-empty) span
@@ -281,7 +313,8 @@ def _result(
 ) -> SimResult:
     events.sort(key=lambda e: (e.start, e.end, e.device))
     round_s = max((e.end for e in events), default=0.0)
-    busy = sum(e.end - e.start for e in events if e.kind in ("F", "B"))
+    rate = {(n, k): r for n, d in devs.items() for k, r in (("F", d.f_rate), ("B", d.b_rate))}
+    busy = sum((e.end - e.start) * rate[e.device, e.kind] for e in events if e.kind in ("F", "B"))
     bubble = 1.0 - busy / (len(devs) * round_s) if round_s > 0 else 0.0
     peak: dict[str, int] = {}
     for s, stage in enumerate(plan.stages):

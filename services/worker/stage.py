@@ -6,8 +6,12 @@ dispatcher (which sends while the next task computes), and at round end
 all-reduces gradients inside the group and steps the optimizer once, at the
 learning rate the job's schedule gives that round. A device the plan splits
 (Duan & Wu's beta, `Allocation.forward_share`) runs the pair `next_pair` gives
-instead, a forward and a backward at once on `SplitLanes`. Held-out evaluation
-runs through the same routes in `services.worker.evaluate`.
+instead, a forward and a backward at once on `SplitLanes`. In `mode: async`
+every micro-batch is a mini-batch: the stage updates its weights right after
+its backward, forwards run on stashed versions (`WeightStash`, vertical sync
+by `common.async_versions`), and the round is a window that ends without an
+all-reduce or step of its own. Held-out evaluation runs through the same
+routes in `services.worker.evaluate`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
+from common.async_versions import aggregates_after, version_for
 from common.checkpoint import (
     load_stage,
     restore_optimizer,
@@ -48,6 +54,7 @@ from services.worker.faults import FailAt
 from services.worker.holdings import HeldLayer, Holdings
 from services.worker.lanes import SplitLanes
 from services.worker.pool import Expected, TaskPool
+from services.worker.stash import WeightStash
 from services.worker.transport import Dispatcher
 
 __all__ = [
@@ -121,6 +128,11 @@ def layers_state(
     return stage_state(tensors, start)
 
 
+def _storages(params: Mapping[str, torch.Tensor]) -> frozenset[int]:
+    """Storages of a stashed version: held once per version, not per micro-batch."""
+    return frozenset(t.untyped_storage().data_ptr() for t in params.values())
+
+
 def _job_rounds(assign: Assign) -> int:
     """Rounds of the whole job, which the learning-rate schedule is relative to.
 
@@ -174,6 +186,12 @@ class RoundState:
     timings: dict[str, float] = field(
         default_factory=lambda: {"forward_s": 0.0, "backward_s": 0.0, "wait_s": 0.0}
     )
+    version: int = 0
+    """async: the weight version held, counted from the window's start."""
+    used: dict[int, int] = field(default_factory=dict)
+    """async: the version each micro-batch in flight was forwarded on."""
+    updated: list[int] = field(default_factory=list)
+    """async: the versions the window's updates made, oldest first (for aggregation)."""
 
 
 class StageRunner:
@@ -273,6 +291,10 @@ class StageRunner:
         self.waiting = False
         """True while blocked on a peer or on Redis, a wait with its own bound (the task
         timeout, redis_outage_s): standing still then is not a hang of this device."""
+        self.stash = WeightStash(self.module) if assign.job.mode == "async" else None
+        """async: the weight versions micro-batches in flight and to come run on."""
+        self.k0 = min(plan.warmup(0), self.m)
+        """The first stage's warm-up, which fixes every micro-batch's version (vertical sync)."""
         self.module.register_forward_hook(self._forwarded)
         pool.reset(assign.epoch, p, self.span, self._expected(), assign.from_round)
 
@@ -361,6 +383,9 @@ class StageRunner:
         self.in_round = True
         self.pool.begin_round(round_no)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.stash is not None:  # a window starts on the weights every update made
+            self.stash.keep(set())
+            self.stash.snapshot(0)
         res = RoundResult(samples=(self.span[1] - self.span[0]) * self.m)
         return RoundState(round_no, res, self.assign.job.policy, time.perf_counter())
 
@@ -381,9 +406,14 @@ class StageRunner:
         if action.kind == "F":
             if self.fail_at is not None:
                 self.fail_at.check(state.round_no, "forward", mb)
-            kept = SavedBytes(self._weights)
+            params = None
+            if self.stash is not None:
+                state.used[mb] = version_for(mb, self.k0, self.assign.job.aggregate_every)
+                params = self.stash.params(state.used[mb])
+            skip = self._weights if params is None else self._weights | _storages(params)
+            kept = SavedBytes(skip)
             with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
-                state.ctx[mb] = self._forward(state.round_no, mb, state.res)
+                state.ctx[mb] = self._forward(state.round_no, mb, state.res, params)
             for t in state.ctx[mb]:  # the runner keeps input and output for the backward
                 kept.pack(t)
             state.kept[mb] = kept.total
@@ -396,6 +426,8 @@ class StageRunner:
                 self.fail_at.check(state.round_no, "backward", mb)
             self._backward(state.round_no, mb, *state.ctx.pop(mb))
             self.pool.release_saved(state.kept.pop(mb))
+            if self.stash is not None:
+                self._update(state, mb, self.stash)
             state.done_b += 1
             self._advance()
             state.timings["backward_s"] += time.perf_counter() - c0
@@ -406,13 +438,11 @@ class StageRunner:
         a0 = time.perf_counter()
         if self.fail_at is not None:
             self.fail_at.check(round_no, "allreduce")
-        self._allreduce(round_no)
+        if self.stash is None:  # async: a single device, updated after every backward
+            self._allreduce(round_no)
         s0 = time.perf_counter()
-        lr = learning_rate(self.assign.job.optimizer, round_no, self.total_rounds)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self._advance()
+        if self.stash is None:
+            self._step(round_no)
         if self.fail_at is not None:
             self.fail_at.check(round_no, "step")
         t["allreduce_s"] = s0 - a0
@@ -436,6 +466,44 @@ class StageRunner:
             backward_ready=alive if self.last else self.pool.ready(round_no, "B") & alive,
         )
 
+    def _step(self, round_no: int) -> None:
+        """One optimizer step at the learning rate the job's schedule gives `round_no`."""
+        lr = learning_rate(self.assign.job.optimizer, round_no, self.total_rounds)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._advance()
+
+    def _update(self, state: RoundState, mb: int, stash: WeightStash) -> None:
+        """async: apply micro-batch `mb`'s gradients (of its stashed version) to the weights.
+
+        Then stash the new version, aggregate when due, and drop the versions no
+        micro-batch in flight or still to come runs on. Backwards arrive in
+        micro-batch order (each stage runs them in order), which the version
+        arithmetic relies on.
+        """
+        every = self.assign.job.aggregate_every
+        if mb != state.done_b:
+            raise RuntimeError(f"async backward of micro-batch {mb} out of order")
+        grads = stash.take_grads(state.used.pop(mb))
+        for param, grad in zip(self.module.parameters(), grads, strict=True):
+            param.grad = grad
+        self._step(state.round_no)
+        state.version += 1
+        stash.snapshot(state.version)
+        state.updated.append(state.version)
+        if aggregates_after(mb, every):
+            mean = stash.mean_of(state.updated[-self.k0 :])
+            with torch.no_grad():
+                for name, param in self.module.named_parameters():
+                    param.copy_(mean[name])
+            state.version += 1
+            stash.snapshot(state.version)
+        to_come = {version_for(j, self.k0, every) for j in range(state.next_f, self.m)}
+        recent = set(state.updated[-self.k0 :]) if every else set()
+        stash.keep({state.version, *state.used.values(), *to_come, *recent})
+
     def _decide(
         self, round_no: int, next_f: int, ctx: dict[int, Any], policy: str
     ) -> Action | None:
@@ -456,8 +524,13 @@ class StageRunner:
         return f"activations of micro-batch {next_f} from stage {self.p - 1}"
 
     def _forward(
-        self, round_no: int, mb: int, res: RoundResult
+        self,
+        round_no: int,
+        mb: int,
+        res: RoundResult,
+        params: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward `mb` on the live weights, or on `params` (a stashed version, async)."""
         lo, hi = self.span
         if self.data is not None:
             base = round_no * self.plan.global_batch + mb * self.plan.micro_size
@@ -466,12 +539,14 @@ class StageRunner:
             x, y = self.pool.take(round_no, "F", mb)
             if x.is_floating_point():
                 x.requires_grad_(True)
-        out = self.module(x)
+        out = self.module(x) if params is None else functional_call(self.module, params, (x,))
         if self.last:
-            loss = nn.functional.cross_entropy(out, y, reduction="sum") / self.plan.global_batch
+            summed = nn.functional.cross_entropy(out, y, reduction="sum")
+            loss = summed / self.plan.global_batch
             res.loss_sum += float(loss.detach())
             res.correct += int((out.detach().argmax(dim=1) == y).sum())
-            return x, loss
+            # async: each micro-batch is a mini-batch, its gradient that of its own mean
+            return x, (loss if params is None else summed / self.plan.micro_size)
         sent = out.detach()
         for r in self.fwd_routes:
             msg = Activation(

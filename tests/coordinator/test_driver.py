@@ -366,7 +366,7 @@ def test_a_due_checkpoint_is_saved_then_committed_with_the_digests() -> None:
     commands = s.replies(s.saved, at=s.now + 0.5)
     digests = ({"a": DIGEST}, {"b": DIGEST}, {"c": DIGEST, "d": DIGEST})
     assert commands == [
-        CommitCheckpoint(2, 4, digests),
+        CommitCheckpoint(2, 4, digests, 2),
         *(Send(d, RunRound(epoch=1, round=2, keep=[0], replicate=True)) for d in ALL),
     ]
     assert s.run.summary.checkpoints == (2,)
@@ -414,7 +414,7 @@ def test_the_last_round_is_evaluated_checkpointed_and_finishes_the_job() -> None
     ]
     commands = s.replies(s.saved)
     digests = ({"a": DIGEST}, {"b": DIGEST}, {"c": DIGEST, "d": DIGEST})
-    assert commands == [CommitCheckpoint(2, 4, digests), Record("finished", {"round": 2})]
+    assert commands == [CommitCheckpoint(2, 4, digests, 2), Record("finished", {"round": 2})]
     assert s.run.phase == "finished" and s.run.ended
     assert s.run.summary.losses == (2.0, 2.0) and s.run.summary.evals == ((2, 0.5, 0.375),)
     ended = s.run
@@ -777,7 +777,7 @@ def test_heavy_recovery_commits_the_gathered_checkpoint_then_resumes() -> None:
         saved = CheckpointSaved(device=d, epoch=1, round=2, layers=[], stage=stage, digest=DIGEST)
         out += s.feed(Reply(d, saved), at=13.0)
     assert out[:5] == [
-        CommitCheckpoint(2, 4, None),
+        CommitCheckpoint(2, 4, None, 2),
         Append("recording the rollback", "ledger", {"rollback_to": 2, "lost": ["b"]}),
         StorePlan(HEAVY_PLAN),
         SetAssigned(frozenset({A, C, D})),

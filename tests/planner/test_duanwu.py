@@ -12,17 +12,22 @@ import random
 
 import pytest
 
+from common.plan import Plan
 from services.planner.base import get_planner
 from services.planner.cost import CostModel
 from services.planner.duanwu import (
+    BETA_RANGE,
     DuanWuPlanner,
     StageTerms,
     algorithm1,
     algorithm2,
     brute_force_grouping,
+    clip_beta,
     concurrent_round,
     initial_grouping,
     optimal_beta,
+    split_peaks,
+    split_specs,
     split_time,
 )
 from services.planner.simulator import simulate
@@ -275,3 +280,73 @@ def test_the_planner_falls_back_to_a_plan_whose_backups_fit() -> None:
     plan = get_planner("duanwu").plan(cost, 16, 4)
     assert [(s.start, s.end, len(s.devices)) for s in plan.stages] == [(0, 2, 2)]
     assert plan.predicted_peak_bytes == {"a": 68, "b": 68}
+
+
+def _with_shares(plan: Plan, shares: dict[str, float | None]) -> Plan:
+    stages = [
+        spec.model_copy(
+            update={
+                "devices": [
+                    a.model_copy(update={"forward_share": shares[a.device]}) for a in spec.devices
+                ]
+            }
+        )
+        for spec in plan.stages
+    ]
+    return plan.model_copy(update={"stages": stages})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_plan_splits_by_the_clipped_beta_only_where_the_simulator_says_it_pays(
+    seed: int,
+) -> None:
+    cost = random_cost(random.Random(200 + seed), layers=8, devices=4, tight=False)
+    plan = get_planner("duanwu").plan(cost, 32, 4)
+    plan.validate_for(cost.num_layers)
+    assert Plan.model_validate(plan.model_dump()) == plan
+    clipped = {d: clip_beta(b) for d, b in DuanWuPlanner.betas(cost, plan).items()}
+    shares = {a.device: a.forward_share for s in plan.stages for a in s.devices}
+    split = any(v is not None for v in shares.values())
+    assert shares == (clipped if split else dict.fromkeys(clipped))
+    # the prediction is the simulator's round of the plan as the workers run it
+    res = simulate(plan, cost)
+    assert plan.predicted_round_s == res.round_s
+    assert 0.0 <= plan.predicted_comm_s < res.round_s
+    other = _with_shares(plan, dict.fromkeys(clipped) if split else dict(clipped))
+    assert res.round_s <= simulate(other, cost).round_s
+    # a splitting device keeps one micro-batch more than K_p while its pair overlaps
+    for s, spec in enumerate(plan.stages):
+        k = min(plan.warmup(s) + split, plan.microbatches)
+        for d, (lo, hi) in plan.ranges(s).items():
+            need = cost.memory(spec.start, spec.end, hi - lo, k) + cost.reserved(plan)[d]
+            assert plan.predicted_peak_bytes[d] == need
+            assert res.max_alive[d] <= k
+
+
+def test_beta_is_clipped_into_its_open_interval() -> None:
+    # backward 39 times the forward: beta = 1/40, below the 0.05 floor
+    prof = layered_profile([F] * 2, [0, 0], [8, 8], [8, 8], backward_s=[39 * F] * 2)
+    cost = hetero_cost([("a", 1.0, 1 << 30)], prof)
+    plan = get_planner("duanwu").plan(cost, 4, 2)
+    assert DuanWuPlanner.betas(cost, plan)["a"] == pytest.approx(1 / 40)
+    (spec,) = split_specs(cost, plan)
+    assert spec.devices[0].forward_share == BETA_RANGE[0] == clip_beta(1 / 40)
+    assert clip_beta(0.99) == BETA_RANGE[1]
+    assert clip_beta(0.3) == 0.3
+
+
+def test_a_device_without_room_for_the_overlaps_micro_batch_runs_one_task_at_a_time() -> None:
+    # tests/planner/test_backup_memory.py's pipeline at 74 bytes: the first device holds
+    # K = 3 micro-batches of 4 samples on [0, 1) (30 + 2 x 4 x 3 = 54) and the other's
+    # 20-byte replica: 74, full; a fourth micro-batch would take 82. The second (K = 1,
+    # 38 bytes and the first's replica) has room for its second: 38 + 8 + 20 = 66.
+    prof = layered_profile([F] * 2, [0, 0], [2, 2], [10, 10])
+    cost = hetero_cost([("a", 1.0, 74), ("b", 1.0, 74)], prof, bandwidth=100.0)
+    plan = get_planner("duanwu").plan(cost, 16, 4)
+    assert [(s.start, s.end) for s in plan.stages] == [(0, 1), (1, 2)]
+    plan = plan.model_copy(update={"stages": split_specs(cost, plan)})
+    first, second = (s.devices[0] for s in plan.stages)
+    assert first.forward_share is None
+    assert second.forward_share == clip_beta(DuanWuPlanner.betas(cost, plan)[second.device])
+    assert split_peaks(cost, plan) == {first.device: 74, second.device: 66}
+    assert simulate(plan, cost).max_alive == {first.device: 3, second.device: 2}

@@ -141,7 +141,7 @@ def reference_train_async(
     seed: int,
     global_batch: int,
     microbatches: int,
-    k0: int,
+    k0: int | Sequence[int],
     rounds: int,
     optimizer: dict[str, Any],
     *,
@@ -155,8 +155,10 @@ def reference_train_async(
     version current at that moment, its backward gives the gradient of that
     version, and the update goes to the current weights; every
     `aggregate_every` updates the weights become the mean of the last `k0`
-    updated versions. Returns the final weights and each window's loss.
+    updated versions. `k0` may differ per window (a re-plan after a recovery
+    changes the pipeline's depth). Returns the final weights and each window's loss.
     """
+    k0s = [k0] * rounds if isinstance(k0, int) else list(k0)
     job = reference_job(model, seed, optimizer, dataset, rounds)
     zoo = build_model(job.model, seed)
     net = zoo.full().train()
@@ -172,7 +174,7 @@ def reference_train_async(
         updated: list[int] = []
         pending: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
         window = 0.0
-        warm = min(k0, microbatches)
+        warm = min(k0s[r], microbatches)
         order = [("F", j) for j in range(warm)]
         for j in range(microbatches):
             order.append(("B", j))
@@ -196,7 +198,7 @@ def reference_train_async(
             versions.append(_params(net))
             updated.append(len(versions) - 1)
             if aggregate_every and len(updated) % aggregate_every == 0:
-                recent = [versions[v] for v in updated[-k0:]]
+                recent = [versions[v] for v in updated[-k0s[r] :]]
                 with torch.no_grad():
                     for name, p in net.named_parameters():
                         p.copy_(torch.stack([v[name] for v in recent]).mean(dim=0))

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import pytest
 
+from common.checkpoint import load_full_state
+from common.exit_codes import ExitCode
 from common.plan import Plan
 from common.store import Store
+from tests.cluster import LocalCluster
 from tests.integration.test_equivalence import SGD, run_job, stage
 from tests.reference import (
     assert_losses_match,
@@ -50,9 +53,7 @@ def test_async_pipeline_equals_its_single_process_replay(
         batch=BATCH,
         job_fields=job,
     )
-    k0 = Plan.model_validate(
-        {"stages": STAGES, "global_batch": BATCH, "microbatches": M}
-    ).warmup(0)
+    k0 = Plan.model_validate({"stages": STAGES, "global_batch": BATCH, "microbatches": M}).warmup(0)
     ref, ref_losses = reference_train_async(
         MODEL, 7, BATCH, M, k0, ROUNDS, SGD, aggregate_every=aggregate_every
     )
@@ -82,3 +83,51 @@ def test_async_refuses_a_data_parallel_stage_by_name(tmp_path, redis_url, cluste
             rounds=1,
             job_fields={"mode": "async"},
         )
+
+
+def test_an_async_pipeline_recovers_a_lost_stage_and_replays_its_window(
+    tmp_path, redis_url, cluster_name, budget
+):
+    """b dies mid-window; its replica (on c) and the survivors resume from the window start.
+
+    The re-planned pipeline has one stage less, so K_0 and with it every later
+    micro-batch's version change: the replay is compared with a reference that
+    uses the new K_0 from the recovered window on.
+    """
+    plan = {"global_batch": BATCH, "microbatches": M, "stages": STAGES}
+    job = {
+        "job_id": "async-ft",
+        "model": MODEL,
+        "seed": 7,
+        "rounds": 4,
+        "optimizer": SGD,
+        "mode": "async",
+        "aggregate_every": 4,
+        "elastic": False,
+        "adapt": False,
+    }
+    cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
+    store = Store(redis_url, cluster_name)
+    try:
+        for name in ("a", "b", "c"):
+            extra = ["--fail-at", "2:forward"] if name == "b" else []
+            cluster.spawn(name, ["-m", "services.worker.main", "--device", name, *extra])
+            cluster.workers.append(name)
+        cluster.start_coordinator(job, plan)
+        code = cluster.wait("coordinator", 200)
+        assert code == ExitCode.OK, cluster.log_tail("coordinator", 60)
+        assert cluster.procs["b"].wait(timeout=10) == -9
+        weights = load_full_state(store, "async-ft", 4)
+        (event,) = [e for e in store.read("events", "async-ft") if e["event"] == "recovered"]
+        losses = [m["loss"] for m in store.read("metrics", "async-ft") if "loss" in m]
+    finally:
+        cluster.close()
+        store.close()
+    assert event["from_round"] == 2 and event["source"] == "replicas", event
+    k_before = Plan.model_validate(plan).warmup(0)
+    k_after = min(2 * len(event["stages"]) - 1, M)
+    ref, ref_losses = reference_train_async(
+        MODEL, 7, BATCH, M, [k_before] * 2 + [k_after] * 2, 4, SGD, aggregate_every=4
+    )
+    assert_matches_reference(weights, ref)
+    assert_losses_match(losses[:2] + losses[-2:], ref_losses)

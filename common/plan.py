@@ -173,7 +173,8 @@ def validate_async(plan: Plan) -> None:
         if len(stage.devices) != 1:
             raise PlanError(
                 f"mode async runs a pipeline of single-device stages; stage {i} has "
-                f"{len(stage.devices)} devices"
+                f"{len(stage.devices)} devices (give a plan, or a planner that makes "
+                "one: gpipe)"
             )
         if stage.devices[0].forward_share is not None:
             raise PlanError(f"mode async does not split devices; stage {i} has a forward_share")

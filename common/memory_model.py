@@ -16,7 +16,7 @@ from itertools import accumulate
 from common.errors import ConfigError
 from common.profile import Profile
 
-__all__ = ["LayerMemory", "replica_bytes", "stage_bytes"]
+__all__ = ["LayerMemory", "replica_bytes", "stage_bytes", "stashed_copies"]
 
 
 def stage_bytes(
@@ -29,6 +29,16 @@ def stage_bytes(
     each of the `in_flight` micro-batch shares of `samples` samples.
     """
     return 2 * param_bytes + optimizer_bytes + activation_bytes * samples * in_flight
+
+
+def stashed_copies(in_flight: int, k0: int, aggregate: bool) -> int:
+    """Weight copies a stage keeps in `mode: async` (`services.worker.stash`).
+
+    One per version a micro-batch in flight runs on (at most `in_flight`), the
+    version the next forwards take, and with FTPipeHD's aggregation the last
+    `k0` updated versions it averages.
+    """
+    return in_flight + 1 + (k0 if aggregate else 0)
 
 
 def replica_bytes(param_bytes: int, optimizer_bytes: int) -> int:

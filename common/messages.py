@@ -553,6 +553,10 @@ class PlanRequest(WireModel):
     current: Plan | None = Field(
         None, description="The running plan, to predict on this cluster too (a re-plan's baseline)."
     )
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="The job's training mode (async stages stash weight versions)."
+    )
+    aggregate_every: int = Field(0, ge=0, description="The job's async aggregation interval.")
 
 
 class PlanReply(WireModel):

@@ -260,6 +260,8 @@ class JobRun:
             global_batch=job.global_batch,
             microbatches=job.microbatches or 1,
             current=current,
+            mode=job.mode,
+            aggregate_every=job.aggregate_every,
         )
         return coord.request_scored_plan(req, settings.plan_timeout_s)
 

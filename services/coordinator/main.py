@@ -79,6 +79,8 @@ def _plan_request(settings: CoordinatorSettings, job: JobSpec, planner: str) -> 
         profiles=keys,
         global_batch=job.global_batch,
         microbatches=job.microbatches,
+        mode=job.mode,
+        aggregate_every=job.aggregate_every,
     )
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import Literal
 
 from common.errors import ConfigError
 from common.ids import DeviceId
-from common.memory_model import replica_bytes, stage_bytes
+from common.memory_model import replica_bytes, stage_bytes, stashed_copies
 from common.plan import Plan
 from common.profile import ClusterSpec, Profile
 
@@ -27,6 +28,10 @@ class CostModel:
 
     profiles: dict[str, Profile]
     cluster: ClusterSpec
+    mode: Literal["sync", "async"] = "sync"
+    """The job's training mode: async stages also hold stashed weight versions."""
+    aggregate: bool = False
+    """async with FTPipeHD's aggregation: the versions it averages are kept too."""
     _prefix: dict[tuple[str, int, str], list[float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +145,14 @@ class CostModel:
         out: dict[str, int] = {}
         for s, stage in enumerate(plan.stages):
             k = plan.warmup(s)
+            stash = self.stashed(stage.start, stage.end, k, plan.warmup(0))
             for dev, (lo, hi) in plan.ranges(s).items():
-                out[dev] = self.memory(stage.start, stage.end, hi - lo, k) + reserved[dev]
+                out[dev] = self.memory(stage.start, stage.end, hi - lo, k) + reserved[dev] + stash
         return out
+
+    def stashed(self, start: int, end: int, in_flight: int, k0: int) -> int:
+        """Bytes of the weight versions an async stage of layers [start, end) stashes (0 sync)."""
+        if self.mode == "sync":
+            return 0
+        copies = stashed_copies(min(in_flight, k0), k0, self.aggregate)
+        return copies * (self._params[end] - self._params[start])

@@ -50,7 +50,9 @@ def make_plan(store: Store, req: PlanRequest) -> tuple[Plan, float]:
     one, or if it does not fit the cluster): a re-plan compares the two by the
     same cost model.
     """
-    cost = CostModel(load_profiles(store, req.profiles), req.cluster)
+    cost = CostModel(
+        load_profiles(store, req.profiles), req.cluster, req.mode, req.aggregate_every > 0
+    )
     plan = get_planner(req.planner).plan(cost, req.global_batch, req.microbatches)
     store.put_json(plan.model_dump(mode="json"), "plan", req.job_id)
     current_s = 0.0

@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic bench-galaxy bench-fl bench-fl-homes bench-duanwu images test-compose deploy deploy-status undeploy check clean
+.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic bench-galaxy bench-fl bench-fl-homes bench-async bench-duanwu images test-compose deploy deploy-status undeploy check clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -79,6 +79,9 @@ bench-fl:  ## Eco-FL, FedAvg, FedAsync, FedAT, Astraea on the virtual-clock FL s
 
 bench-fl-homes:  ## Eco-FL, FedAvg, FedAsync, FedAT, Astraea with real homes on the edge testbed (root)
 	$(BIN)/python -m tests.bench.bench_fl_homes --out bench-results/fl-homes
+
+bench-async:  ## mode async against sync on the edge testbed (root): throughput, digits accuracy against wall clock
+	$(BIN)/python -m tests.bench.bench_async --out bench-results/async
 
 bench-duanwu:  ## Duan & Wu's planner: Algorithm 2 vs brute-force grouping, beta split vs plain pipelining (predicted)
 	$(BIN)/python -m tests.bench.bench_duanwu --out bench-results/duanwu

@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic bench-galaxy bench-fl bench-fl-homes bench-async bench-duanwu images test-compose deploy deploy-status undeploy check clean
+.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic bench-galaxy bench-fl bench-fl-homes bench-async bench-duanwu bench-duanwu-split images test-compose deploy deploy-status undeploy check clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -85,6 +85,9 @@ bench-async:  ## mode async against sync on the edge testbed (root): throughput,
 
 bench-duanwu:  ## Duan & Wu's planner: Algorithm 2 vs brute-force grouping, beta split vs plain pipelining (predicted)
 	$(BIN)/python -m tests.bench.bench_duanwu --out bench-results/duanwu
+
+bench-duanwu-split:  ## Duan & Wu's split measured (root): where forward and backward lanes meet on one core, depth-4 epochs on the testbed
+	$(BIN)/python -m tests.bench.bench_duanwu_split --out bench-results/duanwu-split
 
 ARCH ?= amd64
 

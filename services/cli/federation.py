@@ -13,9 +13,9 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from common.errors import AsteroidError, ConfigError
-from common.exit_codes import ExitCode
-from services.cli.jobs import ClusterOpt, RedisOpt, _fail, console, store_from
+from common.errors import ConfigError
+from services.cli.jobs import ClusterOpt, RedisOpt, console, open_store
+from services.cli.metrics import fail
 
 __all__ = ["federation", "rounds_table"]
 
@@ -59,15 +59,12 @@ def federation(
     try:
         fid = check_job_id(federation_id, "the command line")
     except ConfigError as exc:
-        raise _fail(exc) from exc
-    try:
-        store = store_from(redis_url, cluster)
-    except AsteroidError as exc:
-        raise _fail(exc, ExitCode.FAILED) from exc
+        raise fail(exc) from exc
+    store = open_store(redis_url, cluster)
     try:
         fields = store.get_fields("fl", fid)
         if not fields:
-            raise _fail(ConfigError(f"no federation {fid} in this Redis cluster prefix"))
+            raise fail(ConfigError(f"no federation {fid} in this Redis cluster prefix"))
         entries = store.read("fl-metrics", fid)
         console.print(
             f"federation {fid}: {fields.get('state')}, version {fields.get('version')}, "
@@ -80,7 +77,7 @@ def federation(
         if out is not None:
             blob = store.get_blob("fl-model", fid)
             if blob is None:
-                raise _fail(ConfigError(f"federation {fid} has stored no model yet"))
+                raise fail(ConfigError(f"federation {fid} has stored no model yet"))
             out.write_bytes(blob)
             console.print(f"wrote the global model to {out}")
     finally:

@@ -76,6 +76,14 @@ def store_from(redis_url: str | None, cluster: str | None) -> Store:
     return store
 
 
+def open_store(redis_url: str | None, cluster: str | None) -> Store:
+    """`store_from`, or the CLI's exit (FAILED) naming why Redis cannot be reached."""
+    try:
+        return store_from(redis_url, cluster)
+    except AsteroidError as exc:
+        raise _fail(exc, ExitCode.FAILED) from exc
+
+
 def _fail(exc: Exception, code: ExitCode = ExitCode.CONFIG) -> typer.Exit:
     """Print `exc` (credentials hidden) and the exit to raise."""
     console.print(f"[red]error:[/red] {mask_text(str(exc))}")
@@ -123,10 +131,7 @@ def train(
     console.print(f"job [cyan]{job.job_id}[/cyan] submitted to {s.coordinator}")
     if not follow_:
         return
-    try:
-        store = store_from(redis_url, cluster)
-    except AsteroidError as exc:
-        raise _fail(exc, ExitCode.FAILED) from exc
+    store = open_store(redis_url, cluster)
     try:
         view = follow(store, job.job_id, console)
     except KeyboardInterrupt:
@@ -263,10 +268,7 @@ def status(
             check_job_id(job, "the command line")
     except ConfigError as exc:
         raise _fail(exc) from exc
-    try:
-        store = store_from(redis_url, cluster)
-    except AsteroidError as exc:
-        raise _fail(exc, ExitCode.FAILED) from exc
+    store = open_store(redis_url, cluster)
     try:
         console.print(devices_table(store))
         console.print(jobs_table(store, job))

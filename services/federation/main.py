@@ -6,7 +6,6 @@ Exit codes (`common.exit_codes.ExitCode`): 0 stopped by SIGTERM/SIGINT or done (
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import zmq
@@ -16,6 +15,7 @@ from common.errors import ConfigError, StoreError
 from common.exit_codes import ExitCode
 from common.fl.spec import load_federation
 from common.logging import configure_logging, get_logger
+from common.procs import stop_on_signals
 from common.settings import FederationSettings
 from services.federation.service import FederationService
 
@@ -39,11 +39,7 @@ def run(settings: FederationSettings) -> ExitCode:
         log.error("cannot bind", address=settings.bind, error=str(exc))
         return ExitCode.CONFIG
 
-    def _stop(signum: int, _: object) -> None:
-        service.stopping.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop_on_signals(service.stopping)
     service.serve()
     return ExitCode.OK
 

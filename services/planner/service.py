@@ -13,7 +13,6 @@ the coordinator's public key.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from common.exit_codes import ExitCode
 from common.logging import configure_logging, get_logger
 from common.messages import PlanReply, PlanRequest, ServiceHello
 from common.plan import Plan
+from common.procs import stop_on_signals
 from common.profile import load_profiles
 from common.settings import CommonSettings
 from common.sockets import connect_dealer
@@ -156,11 +156,7 @@ def run(settings: CommonSettings) -> ExitCode:
         log.error("invalid coordinator address", address=settings.coordinator, error=str(exc))
         return ExitCode.CONFIG
 
-    def _stop(signum: int, _: object) -> None:
-        service.stopping.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop_on_signals(service.stopping)
     service.serve()
     return ExitCode.OK
 

@@ -14,6 +14,8 @@ __all__ = [
     "AsteroidError",
     "CheckpointError",
     "ConfigError",
+    "NonFiniteError",
+    "PeerDataError",
     "PlanError",
     "ProtocolError",
     "RoundAbortedError",
@@ -68,6 +70,21 @@ class RoundAbortedError(AsteroidError):
 
 class RoundTimeoutError(AsteroidError):
     """A peer did not deliver what a round needs within the configured timeout."""
+
+
+class PeerDataError(AsteroidError):
+    """A plan member sent a part that cannot be right (inf or nan, labels out of range).
+
+    The part is refused and the round fails at once naming the peer, instead of
+    training on poison or waiting for a part that will never come.
+    """
+
+
+class NonFiniteError(AsteroidError):
+    """A worker's own computation (its loss, activations, gradients, weights) went inf or nan.
+
+    The round fails before anything non-finite is sent or committed.
+    """
 
 
 def validation_message(

@@ -25,14 +25,12 @@ from torch import nn
 from common.errors import AsteroidError
 from common.messages import Activation
 from common.schedule import Action, PoolView, next_eval
+from services.worker.numerics import PAST_END, require_finite
 
 if TYPE_CHECKING:
     from services.worker.stage import StageRunner
 
 __all__ = ["PAST_END", "EvalResult", "evaluate"]
-
-PAST_END = -100
-"""Label of a position past the held-out set: cross_entropy's default ignore_index."""
 
 
 @dataclass
@@ -117,6 +115,9 @@ def _forward(runner: StageRunner, round_no: int, j: int, res: EvalResult) -> Non
         res.loss_sum += float(loss)
         res.correct += int((out.argmax(dim=1) == y).sum())
         return
+    require_finite(
+        [("", out)], f"the evaluation activations of micro-batch {j} in round {round_no}"
+    )
     lo = runner.span[0]
     for r in runner.fwd_routes:
         msg = Activation(

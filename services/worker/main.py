@@ -262,8 +262,10 @@ class Worker:
             # and an error of this epoch would fail what it asked for next
             self.state = "ready"
             log.info("command abandoned", command=getattr(msg, "type", "?"), reason=str(exc))
-        except (AsteroidError, RuntimeError, ValueError, KeyError, MemoryError) as exc:
-            # Reported, not fatal: the coordinator decides what happens to the job.
+        except Exception as exc:
+            # Reported, not fatal: the coordinator decides what happens to the job. Whatever
+            # a peer's data made a task raise (an IndexError deep in torch too) must fail
+            # the command with its name, never end the worker.
             self.state = "error"
             log.exception("command failed", command=getattr(msg, "type", "?"))
             rnd = getattr(msg, "round", -1)

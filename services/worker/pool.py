@@ -17,6 +17,12 @@ next one, and only while the pool's bytes stay under its cap; everything else
 is refused with a reason the receiver logs beside the sender. The sender is
 whatever identity the transport reports for the peer.
 
+A part from the very device the plan names that holds inf or nan, or labels
+the loss cannot index (`services.worker.numerics`), is refused too, and then
+the round cannot complete: that peer's fault is kept, and every wait fails at
+once with a PeerDataError naming it, so that the job ends with that name
+instead of training on poison or waiting out the task timeout.
+
 The pool is also the worker's ledger of what it holds for a round: the bytes
 of the tensors resident in it plus what the stage runner reports its forwards
 keep for backwards that have not run (saved activations). Both change under
@@ -33,9 +39,10 @@ from typing import TypeVar
 
 import torch
 
-from common.errors import RoundAbortedError, RoundTimeoutError
+from common.errors import PeerDataError, RoundAbortedError, RoundTimeoutError
 from common.messages import Activation, Gradient, ReduceChunk
 from common.settings import POOL_MAX_BYTES
+from services.worker.numerics import describe_nonfinite, part_fault
 
 __all__ = ["Expected", "Part", "TaskPool"]
 
@@ -82,6 +89,8 @@ class Expected:
             None when the group has one device (no reduce chunks at all).
         ring_size: Devices in the ring, which bounds steps and chunk indices.
         microbatches: Micro-batches per round, which bounds a training part's index.
+        num_classes: Width of the model's logits, which bounds the labels activations
+            carry; None leaves labels unchecked (a harness without a model).
 
     """
 
@@ -90,6 +99,7 @@ class Expected:
     ring_prev: str | None = None
     ring_size: int = 1
     microbatches: int | None = None
+    num_classes: int | None = None
 
     def part_sender(self, kind: str, lo: int, hi: int) -> str | None:
         """The device that sends samples [lo, hi) of a part of `kind`, or None if none does."""
@@ -121,6 +131,12 @@ class Expected:
                 f"({steps} steps)"
             )
         return None
+
+
+def _describe(msg: Activation | Gradient, kind: str) -> str:
+    """A part as a log line names it: "activations of micro-batch 2 ... in round 5"."""
+    what = {"F": "activations", "B": "gradients", "E": "evaluation activations"}[kind]
+    return f"{what} of micro-batch {msg.mb}, samples [{msg.lo}, {msg.hi}), in round {msg.round}"
 
 
 def _kind(msg: Activation | Gradient) -> str:
@@ -164,6 +180,8 @@ class TaskPool:
         self._chunks: dict[tuple[int, int, int], torch.Tensor] = {}
         self.dropped = 0
         self.aborted: str | None = None
+        self.fault: str | None = None
+        """A plan member's poisoned part (what and who): every wait fails with it until reset."""
         self.saved_bytes = 0
         self.peak_bytes = 0
         self.peak_saved_bytes = 0
@@ -201,6 +219,7 @@ class TaskPool:
             self.expected = expected
             self.eval_round = -1
             self.aborted = None
+            self.fault = None
             self._slots.clear()
             self._chunks.clear()
             self.saved_bytes = 0
@@ -269,6 +288,9 @@ class TaskPool:
         kind, mb, round_no = _kind(msg), msg.mb, msg.round
         part = Part(msg.lo, msg.hi, tensors)
         nbytes = _storage_bytes(tensors)
+        expected = self.expected  # replaced only by reset; checked outside the lock
+        classes = expected.num_classes if expected is not None else None
+        poison = part_fault(kind, tensors, msg.hi - msg.lo, classes)
         with self.cond:
             refused = self._fresh(msg, kind)
             if refused is None and self.expected is not None:
@@ -284,6 +306,8 @@ class TaskPool:
             if slot.covered + part.hi - part.lo > self.need:
                 self.dropped += 1
                 return f"overlapping part [{part.lo}, {part.hi}) of {kind}{mb}"
+            if poison:
+                return self._poisoned(f"{_describe(msg, kind)} from {sender!r}: {poison}")
             full = self._over_cap(nbytes)
             if full:
                 self.dropped += 1
@@ -298,6 +322,7 @@ class TaskPool:
 
     def put_chunk(self, msg: ReduceChunk, t: torch.Tensor, sender: str) -> str | None:
         """Add an all-reduce chunk `sender` sent; returns why it was dropped, or None."""
+        poison = describe_nonfinite(t)
         with self.cond:
             refused = self._fresh(msg, "R")
             if refused is None and self.expected is not None:
@@ -305,6 +330,11 @@ class TaskPool:
             key = (msg.round, msg.step, msg.chunk)
             if refused is None and key in self._chunks:
                 refused = f"duplicate reduce chunk step {msg.step} chunk {msg.chunk}"
+            if refused is None and poison:
+                return self._poisoned(
+                    f"reduce chunk {msg.chunk} of step {msg.step} in round {msg.round} "
+                    f"from {sender!r}: non-finite values: {poison}"
+                )
             refused = refused or self._over_cap(_storage_bytes([t]))
             if refused:
                 self.dropped += 1
@@ -313,6 +343,17 @@ class TaskPool:
             self._observe()
             self.cond.notify_all()
             return None
+
+    def _poisoned(self, fault: str) -> str:
+        """Refuse a plan member's poisoned part and fail the waits with it (under `cond`).
+
+        The first fault is kept: it names the peer that broke the round.
+        """
+        self.dropped += 1
+        if self.fault is None:
+            self.fault = fault
+            self.cond.notify_all()
+        return fault
 
     def ready(self, round_no: int, kind: str) -> frozenset[int]:
         """Micro-batches of `kind` ("F", "B", "E") whose parts cover the range (under `cond`)."""
@@ -375,6 +416,8 @@ class TaskPool:
             while True:
                 if self.aborted is not None:
                     raise RoundAbortedError(self.aborted)
+                if self.fault is not None:
+                    raise PeerDataError(f"refused {self.fault}")
                 result = decide()
                 if result is not None:
                     return result

@@ -53,6 +53,7 @@ from services.worker.evaluate import EvalResult, evaluate
 from services.worker.faults import FailAt
 from services.worker.holdings import HeldLayer, Holdings
 from services.worker.lanes import SplitLanes
+from services.worker.numerics import require_finite
 from services.worker.pool import Expected, TaskPool
 from services.worker.stash import WeightStash
 from services.worker.transport import Dispatcher
@@ -261,6 +262,8 @@ class StageRunner:
         t0 = time.perf_counter()
         # user modules come from this worker's own settings (model_modules), never from the Assign
         zoo = zoo or build_model(assign.job.model, assign.job.seed, allowed_modules)
+        self.num_classes = zoo.num_classes
+        """Width of the logits: labels from the previous stage must lie in [0, num_classes)."""
         self.module = zoo.stage(self.start, self.end)
         t1 = time.perf_counter()
         weights, optim_state = self._state(layers)
@@ -325,6 +328,7 @@ class StageRunner:
             ring_prev=str(self.group[(self.rank - 1) % size]) if size > 1 else None,
             ring_size=size,
             microbatches=self.m,
+            num_classes=self.num_classes,
         )
 
     @property
@@ -467,11 +471,22 @@ class StageRunner:
         )
 
     def _step(self, round_no: int) -> None:
-        """One optimizer step at the learning rate the job's schedule gives `round_no`."""
+        """One optimizer step at the learning rate the job's schedule gives `round_no`.
+
+        Gradients are checked before it and weights after it (one pass each per
+        step): inf or nan of this worker's own making never reaches a replica,
+        a checkpoint or a committed round; the round fails instead.
+        """
         lr = learning_rate(self.assign.job.optimizer, round_no, self.total_rounds)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        named = list(self.module.named_parameters())
+        require_finite(
+            ((name, p.grad) for name, p in named if p.grad is not None),
+            f"the gradient of round {round_no} on stage {self.p}",
+        )
         self.optimizer.step()
+        require_finite(named, f"the weights after the step of round {round_no} at lr {lr:g}")
         self.optimizer.zero_grad(set_to_none=True)
         self._advance()
 
@@ -543,11 +558,17 @@ class StageRunner:
         if self.last:
             summed = nn.functional.cross_entropy(out, y, reduction="sum")
             loss = summed / self.plan.global_batch
+            # the labels and inputs were checked on arrival: a non-finite loss is our own
+            require_finite([("", loss)], f"the loss of micro-batch {mb} in round {round_no}")
             res.loss_sum += float(loss.detach())
             res.correct += int((out.detach().argmax(dim=1) == y).sum())
             # async: each micro-batch is a mini-batch, its gradient that of its own mean
             return x, (loss if params is None else summed / self.plan.micro_size)
         sent = out.detach()
+        require_finite(
+            [("", sent)],
+            f"the activations of micro-batch {mb} in round {round_no} on stage {self.p}",
+        )
         for r in self.fwd_routes:
             msg = Activation(
                 epoch=self.epoch, round=round_no, mb=mb, stage=self.p + 1, lo=r.lo, hi=r.hi
@@ -563,6 +584,10 @@ class StageRunner:
             out.backward(grad)  # type: ignore[no-untyped-call]
         if self.first or x.grad is None:
             return
+        require_finite(
+            [("", x.grad)],
+            f"the gradients of micro-batch {mb} in round {round_no} on stage {self.p}",
+        )
         lo = self.span[0]
         for r in self.bwd_routes:
             msg = Gradient(
@@ -689,7 +714,7 @@ class StageRunner:
                         self.optimizer,
                         self.start,
                     ),
-                    f"saving the checkpoint of round {round_no}",
+                    f"saving the checkpoint of stage {self.p} round {round_no}",
                     self.store_patience_s,
                     self._idle,
                 )

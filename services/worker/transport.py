@@ -74,7 +74,13 @@ class Receiver(threading.Thread):
                         "dropped bad data-plane message", peer=exc.sender, reason=exc.reason
                     )
                     continue
-                self._deliver(peer, env)
+                try:
+                    self._deliver(peer, env)
+                except Exception as exc:  # a peer's message must never end the receiver
+                    self.bad_messages += 1
+                    log.exception(
+                        "dropped data-plane message", peer=peer, type=env.msg.type, reason=str(exc)
+                    )
         finally:
             self.sock.close(0)
 

@@ -10,6 +10,7 @@ ends with exactly the single-process result.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -174,15 +175,16 @@ def hybrid(redis_url, cluster_name):
 def test_each_stage_expects_exactly_the_senders_of_its_routes(hybrid):
     pools = hybrid.pools
     assert pools["a"].expected == Expected(
-        gradients={(0, 5): "c"}, ring_prev="b", ring_size=2, microbatches=4
+        gradients={(0, 5): "c"}, ring_prev="b", ring_size=2, microbatches=4, num_classes=10
     )
     assert pools["c"].expected == Expected(
         activations={(0, 5): "a", (5, 8): "b"},
         gradients={(0, 4): "d", (4, 8): "e"},
         microbatches=4,
+        num_classes=10,
     )
     assert pools["e"].expected == Expected(
-        activations={(4, 8): "c"}, ring_prev="d", ring_size=2, microbatches=4
+        activations={(4, 8): "c"}, ring_prev="d", ring_size=2, microbatches=4, num_classes=10
     )
 
 
@@ -231,7 +233,7 @@ def _forge(
     """
     addr = store.get_fields("device", worker)["data_addr"]
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"intruder")
+    sock.setsockopt(zmq.IDENTITY, f"intruder/{secrets.token_hex(8)}".encode())
     sock.setsockopt(zmq.LINGER, 5000)
     sock.connect(addr)
     for frames in [*messages, [END]]:

@@ -119,6 +119,14 @@ CLUSTER_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
 ENDPOINT_PATTERN = r"^tcp://[^\s/]{1,250}$"
 """A ZeroMQ TCP endpoint ("tcp://host:port"), the only kind a worker is asked to probe."""
 _LinkPeer = Annotated[DeviceId, Field(min_length=1, max_length=255)]
+MAX_DEVICE_THREADS = 1024
+"""Most threads, cores or quota a device may claim: above any board or laptop this serves."""
+MAX_DEVICE_MEMORY = 16 << 40
+"""Most memory (16 TiB) a device may claim; beyond it a claim is a lie, not a machine."""
+MAX_ADDR_CHARS = 256
+"""Longest address or host name a heartbeat may carry."""
+FINGERPRINT_PATTERN = r"^[A-Za-z0-9_.+-]{0,160}$"
+"""A device fingerprint (`common.device.device_fingerprint`): short, log-safe."""
 
 
 # --- control plane: worker -> coordinator ---------------------------------
@@ -129,26 +137,42 @@ class Heartbeat(WireModel):
 
     type: Literal["heartbeat"] = "heartbeat"
     device: DeviceId
-    data_addr: str
-    memory_budget: int = Field(0, ge=0, description="Bytes left for training (0: unknown).")
-    fingerprint: str = Field("", description="Device fingerprint its profiles are keyed by.")
-    threads: int = 1
-    host: str = Field("", description="Machine name; workers sharing one share its cores.")
-    cores: int = Field(0, ge=0, description="Cores this worker's process may use.")
-    cpu_quota: float = Field(0.0, ge=0, description="Its cgroup CPU quota in cores (0: none).")
+    data_addr: str = Field(max_length=MAX_ADDR_CHARS)
+    memory_budget: int = Field(
+        0, ge=0, le=MAX_DEVICE_MEMORY, description="Bytes left for training (0: unknown)."
+    )
+    fingerprint: str = Field(
+        "",
+        pattern=FINGERPRINT_PATTERN,
+        description="Device fingerprint its profiles are keyed by.",
+    )
+    threads: int = Field(1, ge=1, le=MAX_DEVICE_THREADS)
+    host: str = Field(
+        "",
+        max_length=MAX_ADDR_CHARS,
+        description="Machine name; workers sharing one share its cores.",
+    )
+    cores: int = Field(
+        0, ge=0, le=MAX_DEVICE_THREADS, description="Cores this worker's process may use."
+    )
+    cpu_quota: float = Field(
+        0.0, ge=0, le=MAX_DEVICE_THREADS, description="Its cgroup CPU quota in cores (0: none)."
+    )
     memory_configured: int = Field(
         0,
         ge=0,
+        le=MAX_DEVICE_MEMORY,
         description="The --memory-budget it was started with (0: none); in its fingerprint.",
     )
-    pid: int = 0
-    epoch: int = 0
-    stage: int = -1
-    round: int = -1
-    state: str = "idle"
+    pid: int = Field(0, ge=0, le=1 << 32)
+    epoch: int = Field(0, ge=0, le=1 << 62)
+    stage: int = Field(-1, ge=-1, le=MAX_LAYERS)
+    round: int = Field(-1, ge=-1, le=1 << 62)
+    state: str = Field("idle", pattern=r"^[a-z_]{1,32}$")
     progress: int = Field(
         0,
         ge=0,
+        le=1 << 62,
         description="Tasks its stage finished so far (forwards, backwards, all-reduce steps, "
         "optimizer steps): a count that stands still while the worker makes no progress.",
     )

@@ -20,6 +20,7 @@ from common.job import JobSpec
 from common.messages import Heartbeat, ProfileReply, ProfileRequest
 from common.model_key import model_key
 from common.profile import ClusterSpec, DeviceSpec, Profile
+from services.coordinator.claims import memory_cap
 from services.coordinator.membership import Member
 
 if TYPE_CHECKING:
@@ -167,7 +168,8 @@ def cluster_for(
     """The cluster the planner sees: each worker with its profile and memory budget.
 
     A worker's memory is the training budget it reports (configured, or its
-    cgroup limit minus what it holds after start-up, or free memory), else
+    cgroup limit minus what it holds after start-up, or free memory; never
+    more than the memory its fingerprint names, `claims.memory_cap`), else
     what `base` (a cluster spec file given to the coordinator) says, else what
     its profile measured (`budgets`, by profile key). Links come from `base`
     when it gives any; else from `measured` (bytes/s by "a|b" pair), with the
@@ -183,7 +185,8 @@ def cluster_for(
     for d in sorted(members):
         hb = members[d].info
         known = named.get(d)
-        memory = hb.memory_budget or (known.memory_bytes if known else 0) or budgets[keys[d]]
+        claimed = min(hb.memory_budget, memory_cap(hb))
+        memory = claimed or (known.memory_bytes if known else 0) or budgets[keys[d]]
         if memory <= 0:
             raise ConfigError(
                 f"worker {d} reported no memory budget; start it with --memory-budget BYTES"

@@ -14,14 +14,19 @@ checkpoint manifest with each layer's sha256, then `latest`. A crash at any
 point leaves `latest` on a checkpoint whose manifest and layers were all
 written; what a crash leaves behind of a newer round is removed by
 `remove_orphans`. Loading checks every layer against the recorded hashes.
+
+Retention: `prune_checkpoints` keeps the newest few committed checkpoints of a
+job (and always the one `latest` names, which recovery and resume load) and
+deletes the rest, so that a long job does not fill Redis.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,9 +45,11 @@ __all__ = [
     "checkpoint_digests",
     "checkpoint_hashes",
     "commit_checkpoint",
+    "committed_rounds",
     "latest_round",
     "load_full_state",
     "load_stage",
+    "prune_checkpoints",
     "remove_orphans",
     "restore_optimizer",
     "save_stage",
@@ -270,8 +277,10 @@ def commit_checkpoint(
     manifest, and so is the sha256 of each layer blob (from the blob manifests
     its writer left), so a load can prove it reads what was committed. The
     manifest is written before `latest` moves: `latest_round` never names a
-    checkpoint without one. Then what earlier crashed uploads left is removed
-    (`remove_orphans`); older committed checkpoints stay.
+    checkpoint without one; both go in one MULTI/EXEC, so a Redis that refuses
+    the write (full, read-only) leaves neither. Then what earlier crashed uploads
+    left is removed (`remove_orphans`); older committed checkpoints stay until
+    `prune_checkpoints` drops them.
     """
     manifests = [store.blob_manifest("ckpt", job, round_no, "layer", i) for i in range(num_layers)]
     missing = [i for i, m in enumerate(manifests) if m is None]
@@ -285,8 +294,10 @@ def commit_checkpoint(
         manifest["sha256"] = hashes
     if digests is not None:
         manifest["digests"] = [dict(d) for d in digests]
-    store.put_json(manifest, "ckpt", job, round_no, "manifest")
-    store.r.set(store.key("ckpt", job, "latest"), round_no)
+    pipe = store.r.pipeline(transaction=True)
+    pipe.set(store.key("ckpt", job, round_no, "manifest"), json.dumps(manifest))
+    pipe.set(store.key("ckpt", job, "latest"), round_no)
+    pipe.execute()
     removed = remove_orphans(store, job)
     if removed:
         log.info("removed orphan checkpoint keys", job=job, round=round_no, keys=removed)
@@ -349,6 +360,45 @@ def remove_orphans(store: Store, job: str, *, newer_too: bool = False) -> int:
         ):
             doomed += keys
     return int(store.r.delete(*doomed)) if doomed else 0
+
+
+def committed_rounds(store: Store, job: str) -> list[int]:
+    """The rounds of `job` with a committed checkpoint (a manifest), oldest first."""
+    check_job_id(job, "the checkpoint's job")
+    return _committed(store, job, _keys_by_round(store, job))
+
+
+def prune_checkpoints(store: Store, job: str, keep: int) -> list[int]:
+    """Delete every committed checkpoint of `job` but the newest `keep`; the rounds deleted.
+
+    The one `latest` names is kept whatever its age (a heavy recovery may commit
+    an older round after newer ones): recovery and resume load that one. A
+    checkpoint goes whole, manifest and layers in one DEL, so none is ever left
+    committed without its layers. Called once a newer checkpoint is durably
+    committed; DEL is what a full Redis still accepts, so pruning frees room.
+
+    Raises:
+        ValueError: `keep` is below 1 (the newest checkpoint is never deleted).
+
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 checkpoint, got {keep}")
+    check_job_id(job, "the checkpoint's job")
+    latest = latest_round(store, job)
+    rounds = _keys_by_round(store, job)
+    committed = _committed(store, job, rounds)
+    kept = set(committed[-keep:]) | ({latest} if latest is not None else set())
+    doomed = [r for r in committed if r not in kept]
+    keys = [key for r in doomed for key in rounds[r]]
+    if keys:
+        store.r.delete(*keys)
+        log.info("pruned old checkpoints", job=job, rounds=doomed, kept=sorted(kept))
+    return doomed
+
+
+def _committed(store: Store, job: str, rounds: Iterable[int]) -> list[int]:
+    """Those of `rounds` with a checkpoint manifest, oldest first."""
+    return sorted(r for r in rounds if store.get_json("ckpt", job, r, "manifest") is not None)
 
 
 def _keys_by_round(store: Store, job: str) -> dict[int, list[bytes]]:

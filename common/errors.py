@@ -21,6 +21,7 @@ __all__ = [
     "RoundAbortedError",
     "RoundTimeoutError",
     "StoreError",
+    "StoreRefused",
     "StoreUnavailable",
     "validation_message",
 ]
@@ -58,6 +59,14 @@ class StoreError(AsteroidError):
 
 class StoreUnavailable(StoreError):
     """Redis stayed unreachable for longer than the service was configured to wait."""
+
+
+class StoreRefused(StoreError):
+    """Redis answered but would not do a command: full (maxmemory), read-only, or denied.
+
+    Unlike an outage, waiting does not help: the step that needed the write fails,
+    naming Redis and its reason, and the service goes on.
+    """
 
 
 class CheckpointError(StoreError):

@@ -248,6 +248,14 @@ class JobSpec(_Strict):
     checkpoint_every: int = Field(
         0, ge=0, description="Rounds between checkpoints (0: only the final one)."
     )
+    keep_checkpoints: int = Field(
+        3,
+        ge=1,
+        le=MAX_ROUNDS,
+        description="Committed checkpoints kept in Redis: once a newer one is committed, "
+        "older ones beyond this many are deleted (the newest, which recovery and resume "
+        "load, always stays).",
+    )
     min_workers: int = Field(1, ge=1, le=4096, description="Workers to wait for before planning.")
     recovery: Literal["lightweight", "heavy", "none"] = Field(
         "lightweight",

@@ -27,11 +27,11 @@ from typing import Any, TypeVar, cast
 
 import redis
 
-from common.errors import StoreError, StoreUnavailable
+from common.errors import StoreError, StoreRefused, StoreUnavailable
 from common.logging import get_logger
 from common.secrets import mask_text, mask_url
 
-__all__ = ["OUTAGE", "Store"]
+__all__ = ["OUTAGE", "REFUSED", "Store"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -40,6 +40,12 @@ OUTAGE = (redis.ConnectionError, redis.TimeoutError)
 
 Other Redis errors (a wrong type, a refused command) are bugs or misconfiguration
 and are raised at once.
+"""
+REFUSED = redis.ResponseError
+"""What Redis answers when it is there but will not do a command: full (OutOfMemoryError
+under `maxmemory-policy noeviction`), a read-only replica (ReadOnlyError), an ACL denial.
+
+Waiting does not help, so `Store.ride_out` turns it into StoreRefused at once.
 """
 
 CHUNK_BYTES = 4 << 20
@@ -70,12 +76,15 @@ class Store:
         A service that needs Redis for its next step waits for it instead of
         dying: `idle(seconds)` runs between attempts (the coordinator keeps
         answering its socket there). Raises StoreUnavailable, naming `what` was
-        waiting and for how long, once the outage outlasts `patience_s`.
+        waiting and for how long, once the outage outlasts `patience_s`; and
+        StoreRefused at once when Redis refuses a command (see REFUSED).
         """
         delay, began = 0.1, None
         while True:
             try:
                 result = op()
+            except REFUSED as exc:
+                raise self.refusal(exc, what) from exc
             except OUTAGE as exc:
                 now = time.monotonic()
                 if began is None:
@@ -103,6 +112,18 @@ class Store:
                     after_s=round(time.monotonic() - began, 2),
                 )
             return result
+
+    def refusal(self, exc: redis.RedisError, what: str) -> StoreRefused:
+        """StoreRefused naming this Redis, what was being done and Redis's own reason.
+
+        A pipeline's error quotes its command, a blob's bytes included: only the
+        reason Redis gave is kept.
+        """
+        reason = mask_text(str(exc).rpartition(" of pipeline caused error: ")[2])
+        kind = type(exc).__name__  # OutOfMemoryError, ReadOnlyError: Redis's reply drops its code
+        return StoreRefused(
+            f"Redis at {self.where} refused a command while {what}: {kind}: {reason}"
+        )
 
     def key(self, *parts: object) -> str:
         """The full key for `parts` under this cluster's prefix."""

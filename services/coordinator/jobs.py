@@ -20,9 +20,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import redis
 from torch import Tensor
 
-from common.checkpoint import commit_checkpoint, latest_round, save_stage
+from common.checkpoint import (
+    commit_checkpoint,
+    latest_round,
+    prune_checkpoints,
+    remove_orphans,
+    save_stage,
+)
 from common.errors import AsteroidError, ConfigError, StoreUnavailable
 from common.ids import DeviceId
 from common.job import JobSpec
@@ -203,6 +210,7 @@ class JobRun:
             self.record("cancelled", reason=str(exc))
             raise
         except AsteroidError as exc:
+            self._drop_uploads()
             self.record("failed", error=str(exc))
             raise
         except OUTAGE as exc:  # a Redis step outside `durable` (profiling's cache, say)
@@ -216,6 +224,24 @@ class JobRun:
             self.coord.running = None
             if self.stream is not None:
                 self.stream.close()
+
+    def _drop_uploads(self) -> None:
+        """Delete what uploads of uncommitted checkpoints left, before recording a failure.
+
+        A write Redis refused for want of memory leaves its first chunks behind;
+        deleting them (a full Redis still takes DEL) makes room for the failed
+        state. Committed checkpoints stay. Best effort: the failure is recorded
+        either way (or once Redis takes writes again, `write_soon`).
+        """
+        try:
+            removed = remove_orphans(self.store, self.jid, newer_too=True)
+        except redis.RedisError as exc:
+            log.warning(
+                "could not remove uncommitted checkpoint uploads", error=mask_text(str(exc))
+            )
+            return
+        if removed:
+            log.info("removed uncommitted checkpoint uploads of the failed job", keys=removed)
 
     def _plan(self) -> Plan:
         """Profile the workers' devices (cached profiles reused), then ask the planner."""
@@ -500,7 +526,10 @@ class JobRun:
         return PlanReady(plan, (current_s or None) if current is not None else None)
 
     def _commit(self, cmd: CommitCheckpoint) -> None:
-        """Publish a checkpoint (every layer is written); a job's own one is an event too."""
+        """Publish a checkpoint (every layer is written); a job's own one is an event too.
+
+        Once it is durable, the oldest beyond the job's `keep_checkpoints` go.
+        """
         store, jid = self.store, self.jid
 
         def commit() -> None:
@@ -509,6 +538,7 @@ class JobRun:
             if cmd.digests is not None:
                 store.append("events", jid, {"event": "checkpoint", "round": cmd.round})
             store.wait_durable()
+            prune_checkpoints(store, jid, self.job.keep_checkpoints)  # once the new one is durable
 
         what = f"committing the checkpoint of round {cmd.round}"
         self.coord.durable(what, commit)

@@ -57,7 +57,7 @@ from common.secrets import mask_text
 from common.serving_messages import InferReply, InferRequest, ServeModel, ServeSpec
 from common.settings import CoordinatorSettings
 from common.sockets import bind_router
-from common.store import OUTAGE, Store
+from common.store import OUTAGE, REFUSED, Store
 from common.version import VERSION
 from services.coordinator.checks import check_job
 from services.coordinator.core import (
@@ -260,6 +260,13 @@ class Coordinator:
                     redis=self.store.where,
                     error=mask_text(str(exc)),
                 )
+            except REFUSED as exc:  # full, say: it may take the write once room is made
+                log.warning(
+                    "Redis refused a write; will try again",
+                    write=what,
+                    redis=self.store.where,
+                    error=mask_text(str(exc)),
+                )
         self.unwritten.append((what, op))
 
     def _flush_unwritten(self, now: float) -> None:
@@ -271,7 +278,7 @@ class Coordinator:
             what, op = self.unwritten[0]
             try:
                 op()
-            except OUTAGE:
+            except (*OUTAGE, REFUSED):
                 return
             self.unwritten.popleft()
             log.info("wrote what Redis missed", write=what)
@@ -413,7 +420,7 @@ class Coordinator:
                 self.store.set_fields(
                     {**hb.model_dump(mode="json"), "seen": time.time()}, "device", hb.device
                 )
-            except OUTAGE:  # the next heartbeat's write a second later catches up
+            except (*OUTAGE, REFUSED):  # the next heartbeat's write a second later catches up
                 self.heartbeat_counts["unrecorded"] += 1
 
     def _probe_reply(self, msg: ProbeReply) -> None:
@@ -875,6 +882,10 @@ class Coordinator:
             return
         except OUTAGE as exc:
             error = f"Redis at {self.store.where} is unreachable ({mask_text(str(exc))})"
+            self.send(DeviceId(peer), JobReply(job_id=jid, ok=False, error=error))
+            return
+        except REFUSED as exc:
+            error = str(self.store.refusal(exc, f"recording serving job {jid}"))
             self.send(DeviceId(peer), JobReply(job_id=jid, ok=False, error=error))
             return
         self.queue.append((msg.spec, 0))

@@ -14,6 +14,11 @@ tests and a simulated federation drive the same rules:
   sent its update (or ``round_timeout_s`` after it started, with those that did;
   the others count as failures and their latency as the time waited), and the
   strategy merges it into the global model and regroups from the measured latencies.
+- Before a round is merged, the strategy screens its updates (`Strategy.screen`): a
+  non-finite one, or one whose delta from the global model or sample count is far
+  outside the others', is rejected or clipped, and the round's `RoundEnd` names the
+  home and the reason. A home claiming more samples than the configured maximum is
+  refused when it joins.
 - After the ``updates``-th update every home is told ``done``; a round still running
   then is closed when its updates arrive but no longer merged.
 - A home out of every group (dropped by Algorithm 1) keeps training on the current
@@ -32,6 +37,7 @@ from torch import Tensor
 
 from common.errors import ConfigError
 from common.fl.grouping import GroupState
+from common.fl.robust import Screened
 from common.fl.strategies import FitResult, Strategy
 
 __all__ = ["Federation", "FederationError", "Regroup", "RoundEnd", "StaleUpdate", "Task"]
@@ -91,6 +97,7 @@ class RoundEnd:
     failed: tuple[int, ...]
     version: int
     regroups: tuple[Regroup, ...]
+    screened: tuple[Screened, ...] = ()
 
 
 @dataclass
@@ -156,8 +163,9 @@ class Federation:
         """Admit a home (again, after a restart: same data, so same figures).
 
         Raises:
-            FederationError: Unknown home id, no samples, or a histogram whose
-                length or total disagrees with what the home reported before.
+            FederationError: Unknown home id, no samples or more than the configured
+                maximum, or a histogram whose length or total disagrees with what the
+                home reported before.
 
         """
         if not 0 <= home < self.homes:
@@ -167,6 +175,11 @@ class Federation:
                 f"home {home}: its label histogram sums to {sum(histogram)}, not its "
                 f"{num_samples} samples"
             )
+        most = self.strategy.robust.max_samples
+        if num_samples > most:
+            raise FederationError(
+                f"home {home}: claims {num_samples} samples, the most a home may claim is {most}"
+            )
         known = next(iter(self.joined.values()), None)
         if known is not None and len(known.histogram) != len(histogram):
             raise FederationError(
@@ -175,7 +188,10 @@ class Federation:
         before = self.joined.get(home)
         now = _Home(num_samples, tuple(histogram))
         if before is not None and before != now:
-            raise FederationError(f"home {home} joined again with other data than before")
+            raise FederationError(
+                f"home {home} joined again with other data than before ({num_samples} "
+                f"samples, earlier {before.num_samples})"
+            )
         self.joined[home] = now
 
     def task(self, home: int, now: float) -> Task:
@@ -334,7 +350,10 @@ class Federation:
             probed = self._observe(latencies)
             return RoundEnd(rnd.round_id, None, rnd.members, failed, self.version, probed)
         results = [rnd.results[h] for h in rnd.members if h in rnd.results]
+        screened: tuple[Screened, ...] = ()
         if results and not self.done:  # after the last update, a late round changes nothing
+            results, screened = self.strategy.screen(rnd.state, results)
+        if results and not self.done:
             self.state = self.strategy.aggregate_fit(self.state, self.version, results, failed)
             self.version += 1
         if self.groups is None:
@@ -345,7 +364,9 @@ class Federation:
             regroups: tuple[Regroup, ...] = ()
         else:
             regroups = self._observe(latencies)
-        return RoundEnd(rnd.round_id, rnd.group, rnd.members, failed, self.version, regroups)
+        return RoundEnd(
+            rnd.round_id, rnd.group, rnd.members, failed, self.version, regroups, screened
+        )
 
     def _observe(self, latencies: Mapping[int, float]) -> tuple[Regroup, ...]:
         assert self.groups is not None

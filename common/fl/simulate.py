@@ -222,6 +222,7 @@ def simulate(strategy: Strategy, config: SimConfig, data: DigitsSplit | None = N
             x, y = data.train_x[parts[h]], data.train_y[parts[h]]
             trained = local_train(model, rnd.base_state, x, y, config, gen)
             results.append(FitResult(h, trained, len(parts[h]), rnd.base_version))
+        results, _ = strategy.screen(rnd.base_state, results)
         state = strategy.aggregate_fit(state, version, results, [])
         version += 1
         curve.append(CurvePoint(now, version, _accuracy(model, state, data.test_x, data.test_y)))

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.fl.robust import RobustAggregation
 from common.fl.strategies import STRATEGIES, Strategy, make_strategy
 from common.job import JOB_ID_PATTERN, MAX_HOMES
 from common.spec_files import load_spec_file
@@ -43,6 +44,10 @@ class FederationSpec(BaseModel):
     latency_weight: float = Field(
         1.0, ge=0, le=1000, description="Weight of latency spread against data gap in COST."
     )
+    aggregation: RobustAggregation = Field(
+        default_factory=RobustAggregation,
+        description="How homes' updates are screened (sample counts, delta norms) and combined.",
+    )
     updates: int = Field(20, ge=1, le=1_000_000, description="Global model updates to run.")
     round_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="A group's round ends this long after it started."
@@ -64,6 +69,7 @@ class FederationSpec(BaseModel):
             self.exponent,
             self.rt_fraction,
             self.latency_weight,
+            self.aggregation,
         )
 
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from common.errors import ConfigError
-from common.fl.aggregate import StalenessKind, async_merge, fedavg, staleness_weight
+from common.fl.aggregate import StalenessKind, async_merge, staleness_weight
 from common.fl.grouping import (
     Groups,
     GroupState,
@@ -24,6 +24,7 @@ from common.fl.grouping import (
     group_homes,
     regroup,
 )
+from common.fl.robust import RobustAggregation, Screen, Screened, Update, combine
 
 __all__ = [
     "STRATEGIES",
@@ -60,7 +61,9 @@ class Strategy(ABC):
     """Groups homes, aggregates a group's round into the global model, regroups.
 
     The default aggregation is Eco-FL's: FedAvg inside the group, then an asynchronous
-    merge into the global model with mixing weight ``alpha * s(t - tau)``.
+    merge into the global model with mixing weight ``alpha * s(t - tau)``. `robust`
+    says how updates are screened (`screen`) and how a group's models are combined
+    (see `common.fl.robust`); its defaults leave an honest federation's FedAvg exact.
     """
 
     name: ClassVar[str]
@@ -73,6 +76,7 @@ class Strategy(ABC):
         exponent: float = 0.5,
         rt_fraction: float = 0.5,
         latency_weight: float = 1.0,
+        robust: RobustAggregation | None = None,
     ) -> None:
         if groups < 1 or not 0.0 < alpha <= 1.0:
             raise ConfigError(f"need groups >= 1 and alpha in (0, 1], got {groups} and {alpha}")
@@ -82,6 +86,8 @@ class Strategy(ABC):
         self.exponent = exponent
         self.rt_fraction = rt_fraction
         self.latency_weight = latency_weight
+        self.robust = robust if robust is not None else RobustAggregation()
+        self._screen = Screen(self.robust)
 
     @abstractmethod
     def initial_groups(
@@ -101,6 +107,31 @@ class Strategy(ABC):
             latency_weight=self.latency_weight,
         )
 
+    def screen(
+        self, base_state: Mapping[str, Tensor], results: Sequence[FitResult]
+    ) -> tuple[list[FitResult], tuple[Screened, ...]]:
+        """The results to aggregate, some clipped, and which home was clipped or rejected.
+
+        `base_state` is the model the round's homes trained from: a delta is measured
+        (and clipped) from it. Call it once per round, before `aggregate_fit`: it
+        remembers what it took.
+        """
+        by_home = {r.home: r for r in results}
+        kept, events = self._screen(
+            base_state, [Update(r.home, r.state, r.num_samples) for r in results]
+        )
+        out = [replace(by_home[u.home], state=u.state, num_samples=u.num_samples) for u in kept]
+        return out, events
+
+    def group_model(self, results: Sequence[FitResult]) -> dict[str, Tensor]:
+        """The results combined by the configured rule (FedAvg by default)."""
+        return combine(
+            [r.state for r in results],
+            [r.num_samples for r in results],
+            self.robust.combine,
+            self.robust.trim,
+        )
+
     def aggregate_fit(
         self,
         global_state: Mapping[str, Tensor],
@@ -111,7 +142,7 @@ class Strategy(ABC):
         """New global model after a group's round; failed homes simply do not count."""
         if not results:
             return {k: v.clone() for k, v in global_state.items()}
-        group_model = fedavg([r.state for r in results], [r.num_samples for r in results])
+        group_model = self.group_model(results)
         base = min(r.base_version for r in results)
         weight = self.alpha * staleness_weight(version, base, self.staleness, self.exponent)
         return async_merge(global_state, group_model, weight)
@@ -144,7 +175,7 @@ class FedAvg(Strategy):
         """Replace the global model by the average (synchronous, nothing is stale)."""
         if not results:
             return {k: v.clone() for k, v in global_state.items()}
-        return fedavg([r.state for r in results], [r.num_samples for r in results])
+        return self.group_model(results)
 
 
 class FedAsync(Strategy):
@@ -214,6 +245,7 @@ def make_strategy(
     exponent: float = 0.5,
     rt_fraction: float = 0.5,
     latency_weight: float = 1.0,
+    robust: RobustAggregation | None = None,
 ) -> Strategy:
     """Build a strategy by name (see `STRATEGIES`).
 
@@ -227,4 +259,4 @@ def make_strategy(
         raise ConfigError(
             f"unknown strategy {name!r}: expected one of {', '.join(sorted(STRATEGIES))}"
         ) from None
-    return cls(groups, alpha, staleness, exponent, rt_fraction, latency_weight)
+    return cls(groups, alpha, staleness, exponent, rt_fraction, latency_weight, robust)

@@ -76,6 +76,7 @@ from services.coordinator.recovery import (
     capacities,
     memory_inputs,
 )
+from services.coordinator.vetting import Vetting
 
 if TYPE_CHECKING:
     from services.coordinator.service import Coordinator
@@ -160,6 +161,8 @@ class JobRun:
         self.total = total_rounds or job.total_rounds()
         self.state: JobState = "submitted"
         self.store = coord.store
+        self.vetting = Vetting(coord, coord.settings.probe_timeout_s)
+        """Which devices a plan may name (claims as their fingerprint says, challenge answered)."""
         self.train_size = train_size(job)
         """Samples of the training set (None: unbounded), for the sample ledger."""
         root = coord.settings.metrics_dir
@@ -246,8 +249,7 @@ class JobRun:
     def _plan(self) -> Plan:
         """Profile the workers' devices (cached profiles reused), then ask the planner."""
         coord = self.coord
-        coord.wait_for_count(self.job.min_workers, coord.settings.join_timeout_s)
-        members = coord.alive()
+        members = self.vetting.wait(self.job.min_workers, coord.settings.join_timeout_s)
         self.record("profiling", workers=sorted(members))
         return self._planned(members, "planning")[0]
 
@@ -268,6 +270,7 @@ class JobRun:
         if job.global_batch is None:
             raise ConfigError("global_batch: required when the planner makes the plan")
         settings = coord.settings
+        members = self.vetting.vetted(members)
         keys = profile_workers(coord, job, members)
         base = coord.cluster_base()
         budgets = profile_budgets(coord, keys)

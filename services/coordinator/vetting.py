@@ -88,8 +88,14 @@ class Vetting:
         self.refused: dict[DeviceId, str] = {}
 
     def vetted(self, members: Members) -> Members:
-        """The members a plan may name; the others are logged with the reason, once."""
-        claims = {d: claim_problem(m.info) for d, m in members.items()}
+        """The members a plan may name; the others are logged with the reason, once.
+
+        A device vetted once stays vetted for the job: its heartbeats' thread
+        count moves while a split stage runs lanes with their own counts.
+        """
+        claims = {
+            d: None if d in self.proven else claim_problem(m.info) for d, m in members.items()
+        }
         ask = [d for d, why in claims.items() if why is None and d not in self.proven]
         if ask:
             self.proven |= prove(self.shell, ask, self.timeout_s)

@@ -149,13 +149,11 @@ class BandwidthSink(threading.Thread):
             log.warning("dropped bad bandwidth probe message", peer=exc.sender, reason=exc.reason)
             return
         if reply is not None:
-            send_message(self._sock, reply, "sink", route=peer.encode())
+            send_message(self._sock, reply, "sink", route=env.route)
 
     def _handle(self, peer: str, env: Envelope) -> Message | None:
         """The reply to one probe message, if it completes a step; ProtocolError if bad."""
         msg = env.msg
-        if peer.startswith("\x00") or "\ufffd" in peer:  # ZeroMQ-made, or not UTF-8
-            raise ProtocolError("a prober names itself with a UTF-8 routing identity", peer)
         if isinstance(msg, LinkHello):
             if env.tensors:
                 raise ProtocolError("a hello carries no payload", peer, msg.type)

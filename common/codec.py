@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,16 @@ from pydantic import ValidationError
 from common.errors import ProtocolError
 from common.messages import PROTOCOL_VERSION, Message, message_adapter
 
-__all__ = ["DTYPES", "Envelope", "Limits", "encode", "recv_message", "send_message"]
+__all__ = [
+    "DTYPES",
+    "NONCE_HEX",
+    "Envelope",
+    "Limits",
+    "encode",
+    "peer_of_route",
+    "recv_message",
+    "send_message",
+]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -40,6 +50,10 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 _IDS = itertools.count(1)
 ZERO_COPY_MIN_BYTES = 64 << 10
+NONCE_HEX = 16
+"""Hex digits of the random nonce that ends every routing identity (`peer_of_route`)."""
+_ROUTE = re.compile(rf"(?P<peer>[^\x00-\x1f\x7f\ufffd]{{1,200}})/[0-9a-f]{{{NONCE_HEX}}}")
+"""A routing identity: printable UTF-8, then the nonce."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,9 @@ class Envelope:
     """"ROLE:NAME" of the CURVE key that sent it (routed receive on a CURVE server), else ""."""
     fence: int = 0
     """The sending coordinator's fencing epoch (raised at each coordinator start; 0: none)."""
+    route: bytes = b""
+    """The ROUTER's routing identity of the connection it came on (routed receive), which
+    replies go to; `peer` is this without its nonce."""
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -216,14 +233,19 @@ def recv_message(
     """Receive one whole message (the caller has polled): (peer, envelope).
 
     `peer` is the ZeroMQ routing identity on a ROUTER socket, else the claimed
-    sender. Raises ProtocolError naming the peer; the rest of a bad message is
-    always drained so the next receive starts on a message boundary.
+    sender. On a ROUTER, `peer` is the routing identity without its nonce
+    (`peer_of_route`) and the envelope's `route` the whole identity. Raises
+    ProtocolError naming the peer; the rest of a bad message is always drained
+    so the next receive starts on a message boundary.
     """
-    peer = sock.recv().decode(errors="replace") if routed else "?"
-    if routed and not sock.getsockopt(zmq.RCVMORE):
-        raise ProtocolError("message has no header frame", peer)
+    route = sock.recv() if routed else b""
+    peer = route.decode(errors="replace") if routed else "?"
     user = ""
     try:
+        if routed:
+            peer = peer_of_route(route)
+            if not sock.getsockopt(zmq.RCVMORE):
+                raise ProtocolError("message has no header frame", peer)
         head = sock.recv(copy=False)
         if routed and sock.getsockopt(zmq.MECHANISM) == zmq.CURVE:
             user = _authenticated(head, peer)
@@ -242,8 +264,10 @@ def recv_message(
             tensors.append(_recv_tensor(sock, dtype, shape, nbytes, peer))
         if sock.getsockopt(zmq.RCVMORE):
             raise ProtocolError(f"more frames than the {len(metas)} tensors announced", peer)
-    except ProtocolError:
+    except ProtocolError as exc:
         _drain(sock)
+        if exc.kind is not None:  # decoded, so its sender passed the key check
+            exc.route = route
         raise
     return peer, Envelope(
         msg=msg,
@@ -253,7 +277,30 @@ def recv_message(
         tensors=tensors,
         user=user,
         fence=_fence(header.get("fence", 0), peer),
+        route=route,
     )
+
+
+def peer_of_route(route: bytes) -> str:
+    """The peer a routing identity names: "NAME[/SESSION]/NONCE" without its nonce.
+
+    Every DEALER connects as NAME (or NAME/SESSION, several connections of one
+    key) plus a random nonce of its own (`common.sockets.connect_dealer`). The
+    nonce makes a route a secret: with ROUTER_HANDOVER on (so that a peer that
+    reconnects after a cut takes back its own stale route), whoever presents a
+    route's identity takes its connection over, and ZeroMQ does so before any
+    key is checked; nobody but the peer and the server knows the nonce, so no
+    other key, and no stranger, can name it. An identity without one (hand-made,
+    or ZeroMQ's own for a peer that set none) is refused.
+    """
+    text = route.decode(errors="replace")
+    match = _ROUTE.fullmatch(text)
+    if match is None:
+        raise ProtocolError(
+            f"routing identity {text[:60]!r} is not NAME/NONCE ({NONCE_HEX} hex digits)",
+            text[:60],
+        )
+    return match["peer"]
 
 
 def _fence(value: object, peer: str) -> int:

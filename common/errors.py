@@ -44,6 +44,7 @@ class ProtocolError(AsteroidError):
 
     `kind` is the type tag of a message that decoded but failed validation, so a
     service can answer a malformed request of a kind it serves; None otherwise.
+    `route` is then the connection it came on (a routed receive), to answer on.
     """
 
     def __init__(self, reason: str, sender: str = "?", kind: str | None = None) -> None:
@@ -51,6 +52,7 @@ class ProtocolError(AsteroidError):
         self.reason = reason
         self.sender = sender
         self.kind = kind
+        self.route = b""
 
 
 class StoreError(AsteroidError):

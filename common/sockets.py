@@ -16,12 +16,13 @@ the coordinator refuses to bind beyond it without keys).
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable
 from typing import Any
 
 import zmq
 
-from common.codec import Limits
+from common.codec import NONCE_HEX, Limits
 from common.curve import CurveKeys, start_authenticator, stop_authenticator
 
 __all__ = ["ROUTER_RCVHWM", "bind_router", "connect_dealer", "poll_in"]
@@ -86,7 +87,9 @@ def bind_router(
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_tensor_bytes + limits.max_header_bytes)
     sock.setsockopt(zmq.RCVHWM, rcvhwm)
     sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes over its identity
+    # a peer that reconnects (same socket, same identity) takes back its own stale route;
+    # only its holder knows an identity's nonce (`common.codec.peer_of_route`)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if addr.endswith(":0"):
         addr = addr[:-2] + ":*"
     sock.bind(addr)
@@ -103,8 +106,10 @@ def connect_dealer(
     server_key: bytes | None = None,
     monitor: int = 0,
 ) -> zmq.Socket[Any]:
-    """A DEALER with routing identity `identity`, connected to `addr`.
+    """A DEALER with routing identity `identity` plus a random nonce, connected to `addr`.
 
+    The server sees the peer as `identity` and replies to the whole routing
+    identity, which only this socket knows (`common.codec.peer_of_route`).
     With `keys` it is a CURVE client with that pair of the server whose public
     key is `server_key`; `identity` must then be the key's name (or
     "NAME/SESSION"), as the server refuses any other. `monitor`: the socket
@@ -120,7 +125,7 @@ def connect_dealer(
         sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.setsockopt(zmq.IDENTITY, f"{identity}/{secrets.token_hex(NONCE_HEX // 2)}".encode())
     sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)

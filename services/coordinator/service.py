@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
@@ -106,6 +106,9 @@ PUMP_MAX_S = 0.05
 """Longest one `pump` call spends handling messages, for the same reason."""
 REPLICA_NEWS_MAX = 1_000
 """Replica reports kept for the running job between two rounds."""
+MAX_ROUTES = 4_096
+"""Peers whose latest connection is remembered: far beyond a cluster's devices, services
+and clients; a device heartbeats every second, so it is never the least recent."""
 DEVICE_WRITE_EVERY_S = 1.0
 """Least time between two Redis writes of one device's heartbeat state."""
 CONTROL_ROLES = ("worker", "service", "operator")
@@ -200,6 +203,8 @@ class Coordinator:
         missed during an outage; logged when they change."""
         self._logged_counts = dict(self.heartbeat_counts)
         self._next_sweep = 0.0
+        self.routes: OrderedDict[str, bytes] = OrderedDict()
+        """Each peer's latest connection (`common.codec.peer_of_route`), which sends go to."""
         self.inbox: deque[tuple[DeviceId, Message]] = deque()
         self.replica_news: deque[ReplicaSaved] = deque(maxlen=REPLICA_NEWS_MAX)
         """Replicas reported complete since the running job last looked (bounded: a
@@ -286,8 +291,21 @@ class Coordinator:
     # --- transport --------------------------------------------------------------
 
     def send(self, device: DeviceId, msg: Message) -> None:
-        """Send a control message to a worker, stamped with this coordinator's fence."""
-        send_message(self.sock, msg, NAME, route=device.encode(), fence=self.fence)
+        """Send a control message to a peer, stamped with this coordinator's fence.
+
+        It goes to the connection `device` last spoke on; one it never spoke on
+        gets nothing (as ZeroMQ drops a message to an unknown route).
+        """
+        route = self.routes.get(device)
+        if route is not None:
+            send_message(self.sock, msg, NAME, route=route, fence=self.fence)
+
+    def _remember_route(self, peer: str, route: bytes) -> None:
+        """`peer`'s latest connection, newest last; the least recent beyond `MAX_ROUTES` go."""
+        self.routes[peer] = route
+        self.routes.move_to_end(peer)
+        while len(self.routes) > MAX_ROUTES:
+            self.routes.popitem(last=False)
 
     def raise_fence(self) -> int:
         """Take the next fencing epoch from Redis: workers then refuse older coordinators.
@@ -327,8 +345,10 @@ class Coordinator:
                 log.warning("dropped bad control message", peer=exc.sender, reason=exc.reason)
                 self._refuse_request(exc)
                 continue
+            self._remember_route(peer, env.route)
             claimed = getattr(env.msg, "device", peer)
-            if claimed != peer:
+            if claimed != peer or "/" in claimed:
+                # NAME/SESSION is one of key NAME's connections, never a device of its own
                 self.bad_messages += 1
                 log.warning(
                     "dropped message whose device differs from its sender",
@@ -839,8 +859,9 @@ class Coordinator:
         beyond the limit) fails validation while the message is decoded; the
         reason names the field. Other bad messages are only dropped.
         """
-        if exc.sender == "?" or exc.kind not in _CLIENT_REQUESTS:
+        if not exc.route or exc.kind not in _CLIENT_REQUESTS:
             return
+        self._remember_route(exc.sender, exc.route)
         self.send(DeviceId(exc.sender), JobReply(job_id="", ok=False, error=exc.reason))
 
     def _on_submit(self, peer: str, msg: SubmitJob) -> None:

@@ -180,13 +180,14 @@ class FederationService:
             if exc.kind in ("join_federation", "fetch_model", "home_update"):
                 home = home_of(f"worker:{exc.sender}")
                 refusal = self._reply(home or 0, False, f"bad {exc.kind}: {exc.reason}")
-                self._send(exc.sender.encode(), refusal)
+                if exc.route:
+                    self._send(exc.route, refusal)
             return
         msg = env.msg
         if not isinstance(msg, JoinFederation | FetchModel | HomeUpdate):
             log.warning("unexpected message", peer=peer, type=msg.type)
             return
-        route = peer.encode()
+        route = env.route
         who = f"home {msg.home} ({peer})"
         try:
             self._check_sender(env, msg.home, msg.federation, who)
@@ -264,6 +265,14 @@ class FederationService:
 
     def _ended(self, end: RoundEnd) -> None:
         groups = self.federation.groups
+        for event in end.screened:
+            log.warning(
+                "home update screened",
+                home=event.home,
+                action=event.action,
+                reason=event.reason,
+                round_id=end.round_id,
+            )
         log.info(
             "round ended",
             round_id=end.round_id,
@@ -303,6 +312,7 @@ class FederationService:
                 "members": list(end.members),
                 "failed": list(end.failed),
                 "regroups": [[r.home, r.action, r.group] for r in end.regroups],
+                "screened": [[e.home, e.action, e.reason] for e in end.screened],
             }
         self.store.put_blob(bytes(state_frame(fed.state).numpy()), "fl-model", fid)
         fields = {

@@ -14,7 +14,7 @@ def pair():
     router = ctx.socket(zmq.ROUTER)
     router.bind("inproc://codec")
     dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.IDENTITY, b"dev-a")
+    dealer.setsockopt(zmq.IDENTITY, b"dev-a/" + b"0123456789abcdef")
     dealer.connect("inproc://codec")
     yield router, dealer
     router.close(0)
@@ -134,3 +134,41 @@ def test_large_tensor_roundtrip_and_size_mismatch(pair):
     dealer.send_multipart([_header(tensors=[["float32", [300_000], nbytes]]), b"0" * (nbytes - 4)])
     with pytest.raises(ProtocolError, match="expected 1200000"):
         _recv(router)
+
+
+@pytest.mark.parametrize(
+    "identity",
+    [
+        b"dev-a",
+        b"dev-a/0123",
+        b"dev-a/0123456789ABCDEF",
+        b"\x00\x00\x00\x00\x01",
+        b"\x1b[2J/0123456789abcdef",
+    ],
+)
+def test_routing_identity_without_a_nonce_is_refused(identity):
+    """Only a DEALER's own NAME/NONCE names a route: a guessable or hand-made one is refused."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("inproc://codec-nonce")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, identity)
+    dealer.connect("inproc://codec-nonce")
+    try:
+        send_message(dealer, Heartbeat(device="dev-a", data_addr="tcp://x:1"), "dev-a")
+        with pytest.raises(ProtocolError, match="is not NAME/NONCE"):
+            _recv(router)
+        send_message(dealer, Heartbeat(device="dev-a", data_addr="tcp://x:1"), "dev-a")
+        with pytest.raises(ProtocolError):  # and the next message still starts on a boundary
+            _recv(router)
+    finally:
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
+
+
+def test_route_is_the_whole_identity_and_peer_its_name(pair):
+    router, dealer = pair
+    send_message(dealer, Heartbeat(device="dev-a", data_addr="tcp://x:1"), "dev-a")
+    peer, env = _recv(router)
+    assert peer == "dev-a" and env.route == b"dev-a/0123456789abcdef"

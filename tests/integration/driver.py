@@ -28,6 +28,7 @@ class Driver:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.sock, _ = bind_router(self.ctx, addr, self.limits)
         self.data_addrs: dict[str, str] = {}
+        self.routes: dict[str, bytes] = {}
         self.inbox: list[tuple[str, Any]] = []
 
     def pump(self, timeout_s: float) -> None:
@@ -38,6 +39,7 @@ class Driver:
                 peer, env = recv_message(self.sock, self.limits, routed=True)
             except ProtocolError:
                 continue
+            self.routes[peer] = env.route
             if isinstance(env.msg, Heartbeat):
                 self.data_addrs[peer] = env.msg.data_addr
             else:
@@ -55,7 +57,7 @@ class Driver:
 
     def send(self, devices: list[str], msg: Message) -> None:
         for d in devices:
-            send_message(self.sock, msg, "coordinator", route=d.encode())
+            send_message(self.sock, msg, "coordinator", route=self.routes[d])
 
     def gather(
         self, kind: type, devices: list[str], epoch: int, round_no: int, timeout_s: float = 120

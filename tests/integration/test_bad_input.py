@@ -6,6 +6,7 @@ the job still ends with exactly the single-process result.
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import msgpack
@@ -71,7 +72,7 @@ def _wait_running(store: Store, job: str, timeout_s: float) -> None:
 
 def _blast(ctx: zmq.Context, addr: str) -> None:
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"intruder")
+    sock.setsockopt(zmq.IDENTITY, f"intruder/{secrets.token_hex(8)}".encode())
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(addr)
     for frames in BAD.values():

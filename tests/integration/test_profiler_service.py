@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import zmq
 
-from common.codec import Limits, recv_message, send_message
+from common.codec import Limits, peer_of_route, recv_message, send_message
 from common.device import device_fingerprint
 from common.messages import ProfileReply, ProfileRequest, ServiceHello
 from common.profile import Profile
@@ -27,9 +27,9 @@ def _next(router: zmq.Socket[Any], kind: type, timeout_s: float) -> tuple[bytes,
     """(route, message) of the next message of `kind`; anything else is skipped."""
     deadline = time.monotonic() + timeout_s
     while (left := deadline - time.monotonic()) > 0 and poll_in(router, left):
-        peer, env = recv_message(router, Limits(), routed=True)
+        _, env = recv_message(router, Limits(), routed=True)
         if isinstance(env.msg, kind):
-            return peer.encode(), env.msg
+            return env.route, env.msg
     raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
 
 
@@ -44,7 +44,7 @@ def test_profiler_service_answers_and_stops_on_sigterm(tmp_path, redis_url, clus
     )
     try:
         route, hello = _next(router, ServiceHello, 60)
-        assert hello.pid == proc.pid and hello.service == route.decode()
+        assert hello.pid == proc.pid and hello.service == peer_of_route(route)
         fp = device_fingerprint(1)  # the child runs on this machine, with the same limits
         req = ProfileRequest(
             job_id="j1", model=ModelSpec(name="mlp"), fingerprint=fp, threads=1, batch_sizes=[1]

@@ -16,7 +16,7 @@ import torch
 import zmq
 
 import services.profiler.service as service_module
-from common.codec import Limits, encode, recv_message, send_message
+from common.codec import Limits, encode, peer_of_route, recv_message, send_message
 from common.device import device_fingerprint
 from common.messages import (
     PROTOCOL_VERSION,
@@ -52,8 +52,8 @@ class Coordinator:
         while (left := deadline - time.monotonic()) > 0:
             if not poll_in(self.router, left):
                 break
-            peer, env = recv_message(self.router, Limits(), routed=True)
-            self.route = peer.encode()
+            _, env = recv_message(self.router, Limits(), routed=True)
+            self.route = env.route
             if isinstance(env.msg, kind) and (job is None or getattr(env.msg, "job_id", "") == job):
                 return env.msg
         raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
@@ -114,7 +114,7 @@ def request(job: str, spec: ModelSpec = MLP, threads: int = 1, **fields: Any) ->
 
 def test_hello_names_this_profiler(running):
     hello = running.coordinator.next(ServiceHello)
-    assert hello.service == running.service.identity == running.coordinator.route.decode()
+    assert hello.service == running.service.identity == peer_of_route(running.coordinator.route)
     assert hello.service == f"profiler-{gethostname()}-{os.getpid()}"
     assert hello.pid == os.getpid() and hello.host == gethostname()
 

@@ -285,14 +285,14 @@ def test_coordinator_takes_each_message_only_from_its_role(
         operator = connect_dealer(
             ctx,
             coord.endpoint,
-            "alice/cli-1",
+            "alice",
             keys=CurveKeys.load(keydir, "operator"),
             server_key=server,
         )
         with capture_logs() as logs:
             worker.send_multipart(encode(CancelJob(job_id="job-1"), "w1"))
             operator.send_multipart(
-                encode(Heartbeat(device="alice/cli-1", data_addr="tcp://x:1"), "alice")
+                encode(Heartbeat(device="alice", data_addr="tcp://x:1"), "alice")
             )
             _pump_until(coord, lambda: coord.bad_messages == 2, "both refusals")
         reasons = [

@@ -16,6 +16,7 @@ reference. What the coordinator did with the heartbeats is read from its
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -63,7 +64,7 @@ def cluster(tmp_path, redis_url, cluster_name, budget) -> Iterator[LocalCluster]
 def dealer(ctx: zmq.Context[Any], address: str, name: str) -> zmq.Socket[Any]:
     """A plain DEALER under routing id `name`, as anyone on the LAN can open."""
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, name.encode())
+    sock.setsockopt(zmq.IDENTITY, f"{name}/{secrets.token_hex(8)}".encode())
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.LINGER, 10_000)  # a closed socket still delivers what it sent
     sock.connect(address)

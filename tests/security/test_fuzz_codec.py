@@ -42,6 +42,7 @@ from common.messages import (
 
 LIMITS = Limits(max_header_bytes=64 << 10, max_tensor_bytes=256 << 10, max_tensors=4)
 PEER = b"fuzzer"
+ROUTE = PEER + b"/0123456789abcdef"
 EXAMPLES = int(os.environ.get("ASTEROID_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(
     max_examples=EXAMPLES,
@@ -62,7 +63,7 @@ class Wire:
         self.router.bind("inproc://fuzz")
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
-        self.dealer.setsockopt(zmq.IDENTITY, PEER)
+        self.dealer.setsockopt(zmq.IDENTITY, ROUTE)
         self.dealer.connect("inproc://fuzz")
 
     def decode(self, frames: list[bytes]) -> Envelope | ProtocolError:

@@ -96,6 +96,7 @@ def test_a_peer_speaking_the_previous_protocol_is_refused() -> None:
     router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
     try:
         router.bind("inproc://old-peer")
+        dealer.setsockopt(zmq.IDENTITY, b"old-coordinator/0123456789abcdef")
         dealer.connect("inproc://old-peer")
         dealer.send(msgpack.packb(old, use_bin_type=True))
         assert router.poll(2000)

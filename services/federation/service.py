@@ -180,14 +180,13 @@ class FederationService:
             if exc.kind in ("join_federation", "fetch_model", "home_update"):
                 home = home_of(f"worker:{exc.sender}")
                 refusal = self._reply(home or 0, False, f"bad {exc.kind}: {exc.reason}")
-                if exc.route:
-                    self._send(exc.route, refusal)
+                self._send(exc.sender.encode(), refusal)
             return
         msg = env.msg
         if not isinstance(msg, JoinFederation | FetchModel | HomeUpdate):
             log.warning("unexpected message", peer=peer, type=msg.type)
             return
-        route = env.route
+        route = peer.encode()
         who = f"home {msg.home} ({peer})"
         try:
             self._check_sender(env, msg.home, msg.federation, who)

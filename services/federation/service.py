@@ -180,13 +180,14 @@ class FederationService:
             if exc.kind in ("join_federation", "fetch_model", "home_update"):
                 home = home_of(f"worker:{exc.sender}")
                 refusal = self._reply(home or 0, False, f"bad {exc.kind}: {exc.reason}")
-                self._send(exc.sender.encode(), refusal)
+                if exc.route:
+                    self._send(exc.route, refusal)
             return
         msg = env.msg
         if not isinstance(msg, JoinFederation | FetchModel | HomeUpdate):
             log.warning("unexpected message", peer=peer, type=msg.type)
             return
-        route = peer.encode()
+        route = env.route
         who = f"home {msg.home} ({peer})"
         try:
             self._check_sender(env, msg.home, msg.federation, who)

@@ -18,13 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from common.errors import ConfigError
 from common.ids import JobId
-from common.zoo import ModelSpec
+from common.zoo import ModelSpec, parameter_count
 
 __all__ = [
     "JOB_ID_PATTERN",
     "MAX_BATCH",
     "MAX_CLASSES",
     "MAX_HOMES",
+    "MAX_PARAMETERS",
     "MAX_ROUNDS",
     "Cifar10Data",
     "DataSpec",
@@ -55,6 +56,11 @@ MAX_ROUNDS = 1 << 40
 
 MAX_HOMES = 1000
 """Most homes one federation holds (and so one histogram's senders)."""
+
+MAX_PARAMETERS = 1 << 30
+"""Most parameters a job's model may have: 4 GiB of float32 weights (16 GiB with their
+gradients and Adam's moments), beyond what the edge devices of one home hold together,
+and more than 40x the largest model in the zoo."""
 
 _MAX_SAMPLES = 1 << 40
 _MAX_EVAL = 1 << 24
@@ -243,10 +249,13 @@ class JobSpec(_Strict):
     )
     planner: str = Field("asteroid", description="Planner that makes the plan.")
     eval_every: int = Field(
-        0, ge=0, description="Rounds between held-out evaluations (0: only after the last)."
+        0,
+        ge=0,
+        le=MAX_ROUNDS,
+        description="Rounds between held-out evaluations (0: only after the last).",
     )
     checkpoint_every: int = Field(
-        0, ge=0, description="Rounds between checkpoints (0: only the final one)."
+        0, ge=0, le=MAX_ROUNDS, description="Rounds between checkpoints (0: only the final one)."
     )
     keep_checkpoints: int = Field(
         3,
@@ -289,11 +298,23 @@ class JobSpec(_Strict):
 
     @field_validator("model")
     @classmethod
-    def _bounded_classes(cls, v: ModelSpec) -> ModelSpec:
+    def _bounded_model(cls, v: ModelSpec) -> ModelSpec:
         # ModelSpec is shared with the profiler; the bound that protects a service from
-        # a job is the job's, so it is checked here, before any layer is allocated.
+        # a job is the job's, so it is checked here, while the message is decoded,
+        # before any layer is allocated: every option has a ceiling, and a zoo model's
+        # size is counted from its options without building it.
         if not 1 <= v.num_classes <= MAX_CLASSES:
             raise ValueError(f"num_classes must be in [1, {MAX_CLASSES}], got {v.num_classes}")
+        try:
+            count = parameter_count(v)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from exc
+        if count is not None and count > MAX_PARAMETERS:
+            raise ValueError(
+                f"model {v.name!r} would have {count} parameters "
+                f"({count * 4 / 2**30:.1f} GiB as float32); at most {MAX_PARAMETERS} "
+                f"({MAX_PARAMETERS * 4 / 2**30:g} GiB) are allowed"
+            )
         return v
 
     @field_validator("aggregate_every")

@@ -97,7 +97,8 @@ class CommonSettings(BaseSettings):
         (),
         description="Modules whose package.module:factory models jobs may build, comma "
         "separated (empty: zoo models only). Importing runs code, so only this setting, "
-        "never a job, allows a module.",
+        "never a job, allows a module; a job may name only the callables the module "
+        "declares with @common.zoo.model_factory.",
     )
 
     def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
@@ -303,6 +304,16 @@ class CoordinatorSettings(CommonSettings):
     link_bandwidth: BytesPerSecond = Field(
         125e6,
         gt=0,
+    model_check_memory_mb: int = Field(
+        6144,
+        ge=64,
+        le=1 << 24,
+        description="Memory a submitted job's model may take while it is checked: it is "
+        "built in a child process with this address-space limit, never in the coordinator.",
+    )
+    model_check_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="Longest build of a submitted job's model when checked."
+    )
         description="Bytes/s (a number, or like 125MB/s; bits are refused) the planner assumes "
         "between workers whose link could not be measured, when no --cluster-spec gives the "
         "links.",

@@ -8,11 +8,20 @@ worker constructs identical initial weights without shipping them.
 from collections.abc import Collection
 
 from common.zoo import _registry
-from common.zoo._registry import model_names
+from common.zoo._registry import model_names, parameter_count
 from common.zoo._types import InputSpec, ModelSpec, OptionValue, ZooModel
-from common.zoo.custom import check_model_source
+from common.zoo.custom import check_model_source, model_factory
 
-__all__ = ["InputSpec", "ModelSpec", "OptionValue", "ZooModel", "build_model", "model_names"]
+__all__ = [
+    "InputSpec",
+    "ModelSpec",
+    "OptionValue",
+    "ZooModel",
+    "build_model",
+    "model_factory",
+    "model_names",
+    "parameter_count",
+]
 
 
 def build_model(spec: ModelSpec, seed: int, allowed_modules: Collection[str] = ()) -> ZooModel:

@@ -31,18 +31,26 @@ class Options:
         """Tell whether the spec sets ``key`` explicitly."""
         return key in self._spec.options
 
-    def get_int(self, key: str, default: int, minimum: int = 1) -> int:
-        """Return an integer knob (bools are not integers here) of at least ``minimum``."""
+    def get_int(self, key: str, default: int, minimum: int = 1, maximum: int = 1 << 20) -> int:
+        """Return an integer knob (bools are not integers here) in ``[minimum, maximum]``.
+
+        Every knob has a ceiling: a job comes from the network, and one absurd width or
+        depth would otherwise make whoever checks the job allocate (or loop) without end.
+        """
         value = self._spec.options.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self._error(key, f"an integer >= {minimum}", value)
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise self._error(key, f"an integer in [{minimum}, {maximum}]", value)
         return value
 
-    def get_float(self, key: str, default: float) -> float:
-        """Return a strictly positive number; integers are accepted."""
+    def get_float(self, key: str, default: float, maximum: float = 1e6) -> float:
+        """Return a number in ``(0, maximum]``; integers are accepted."""
         value = self._spec.options.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise self._error(key, "a number > 0", value)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 < value <= maximum
+        ):
+            raise self._error(key, f"a number in (0, {maximum:g}]", value)
         return float(value)
 
     def get_str(self, key: str, default: str) -> str:

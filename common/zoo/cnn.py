@@ -12,10 +12,28 @@ from collections import OrderedDict
 
 from torch import nn
 
+from common.zoo._count import conv, linear
 from common.zoo._options import Options
 from common.zoo._types import IMAGE_INPUT, ModelSpec, ZooModel
 
-__all__ = ["build_small_cnn"]
+__all__ = ["MAX_WIDTH", "build_small_cnn", "count_small_cnn"]
+
+MAX_WIDTH = 4096
+"""Widest first conv (the last has 4x, the hidden layer 8x): 128x the default."""
+
+
+def _width(spec: ModelSpec) -> int:
+    return Options(spec, {"width"}).get_int("width", 32, maximum=MAX_WIDTH)
+
+
+def count_small_cnn(spec: ModelSpec) -> int:
+    """The parameters `build_small_cnn` would allocate, without allocating them."""
+    w = _width(spec)
+    channels, height, width = IMAGE_INPUT.shape
+    flat = 4 * w * (height // 8) * (width // 8)
+    convs = conv(channels, w, 3) + conv(w, w, 3) + conv(w, 2 * w, 3)
+    convs += conv(2 * w, 2 * w, 3) + conv(2 * w, 4 * w, 3)
+    return convs + linear(flat, 8 * w) + linear(8 * w, spec.num_classes)
 
 
 def _conv(in_channels: int, out_channels: int, pool: bool) -> nn.Sequential:
@@ -34,10 +52,9 @@ def build_small_cnn(spec: ModelSpec) -> ZooModel:
     Seven layers, about 0.67 M parameters at the default width, so a few training rounds
     run in seconds on a CPU. Pooling averages rather than takes the maximum: on noisy
     synthetic images max-pooling amplifies the noise and made training erratic.
-    Options: ``width`` (first conv's channels, default 32).
+    Options: ``width`` (first conv's channels, default 32, at most `MAX_WIDTH`).
     """
-    opts = Options(spec, {"width"})
-    w = opts.get_int("width", 32)
+    w = _width(spec)
     channels, height, width = IMAGE_INPUT.shape
     flat = 4 * w * (height // 8) * (width // 8)
     hidden = 8 * w

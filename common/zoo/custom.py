@@ -1,13 +1,18 @@
 """User models named ``"package.module:factory"``.
 
-The factory takes no arguments and returns either a `ZooModel` (full control over the
-input description) or an ``nn.Sequential`` / list / tuple of modules, each module one
-layer. For the latter the input is described by options, defaulting to CIFAR images:
+The module declares which of its callables are factories with `model_factory`; a job
+naming any other attribute (a helper such as ``clear_cache``) is refused without it
+being called. The factory takes no arguments and returns either a `ZooModel` (full
+control over the input description) or an ``nn.Sequential`` / list / tuple of modules,
+each module one layer. For the latter the input is described by options, defaulting to
+CIFAR images:
 
 - ``input_kind``: ``"image"`` (default) or ``"tokens"``;
 - ``input_shape``: per-sample shape as ``"3x32x32"`` or a single int such as ``64``;
   defaults to ``3x32x32`` for images and ``64`` for tokens;
 - ``vocab_size``: tokens only, default 1000 (the defaults mirror ``bert_small``).
+
+Each has a ceiling (`MAX_INPUT_ELEMENTS`, `MAX_VOCAB`), since a job comes from the network.
 
 Importing a module runs its code, so a job may only name modules the operator listed
 in the service's own settings (``model_modules``): `check_model_source` refuses any
@@ -17,7 +22,9 @@ model, so that user code ends a job, never a service.
 """
 
 import importlib
+import math
 from collections.abc import Callable, Collection
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -26,9 +33,54 @@ from common.errors import ConfigError
 from common.zoo._options import Options
 from common.zoo._types import IMAGE_INPUT, InputSpec, ModelSpec, ZooModel, has_batchnorm
 
-__all__ = ["build_custom", "check_model_source", "is_custom_name"]
+__all__ = [
+    "MAX_INPUT_ELEMENTS",
+    "MAX_VOCAB",
+    "build_custom",
+    "check_custom_options",
+    "check_model_source",
+    "is_custom_name",
+    "model_factory",
+]
+
+MAX_INPUT_ELEMENTS = 1 << 24
+"""Most elements of one input sample (a 4096x4096 image is 16 M); each dimension too."""
+
+MAX_VOCAB = 1 << 20
+"""Most distinct token ids: 4x the largest tokenizers in use."""
+
+_MAX_DIMS = 8
 
 _INPUT_OPTIONS = frozenset({"input_kind", "input_shape", "vocab_size"})
+
+_F = TypeVar("_F", bound=Callable[[], object])
+
+_FACTORIES: dict[int, Callable[[], object]] = {}
+"""Every callable declared with `model_factory`, by identity (and kept alive, so an id
+is never reused by another object)."""
+
+
+def model_factory(factory: _F) -> _F:
+    """Declare ``factory`` a model factory that ``"module:name"`` may name in a job.
+
+    An allow-listed module holds more than factories (helpers, caches, things that
+    delete files); a job may only call what the module's author marked for it::
+
+        from common.zoo import model_factory
+
+        @model_factory
+        def my_net():
+            return nn.Sequential(...)
+    """
+    if not callable(factory):
+        raise TypeError(f"model_factory needs a callable, got {type(factory).__name__}")
+    _FACTORIES[id(factory)] = factory
+    return factory
+
+
+def _is_factory(value: object) -> bool:
+    return _FACTORIES.get(id(value)) is value
+
 
 _USER_CODE_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
 """What user code may raise that must not escape as such: ``sys.exit()`` in a factory
@@ -78,17 +130,28 @@ def _load_factory(spec: ModelSpec) -> Callable[[], object]:
         raise ConfigError(
             f"custom model {spec.name!r}: cannot import module {module_name!r}: {exc!r}"
         ) from exc
-    try:
-        factory = getattr(module, attr, None)
-    except _USER_CODE_ERRORS as exc:  # a module __getattr__ is user code too
-        raise ConfigError(
-            f"custom model {spec.name!r}: looking up {attr!r} in {module_name!r} raised {exc!r}"
-        ) from exc
-    if not callable(factory):
+    # the module's own namespace only: no module __getattr__, no descriptor runs
+    factory = vars(module).get(attr)
+    if factory is None or not callable(factory):
         raise ConfigError(
             f"custom model {spec.name!r}: module {module_name!r} has no callable {attr!r}"
         )
+    if not _is_factory(factory):
+        raise ConfigError(
+            f"custom model {spec.name!r}: {attr!r} in module {module_name!r} is not declared "
+            "a model factory (decorate it with common.zoo.model_factory); nothing was called"
+        )
     return factory  # type: ignore[no-any-return]
+
+
+def check_custom_options(spec: ModelSpec) -> None:
+    """Check a custom model's input options against their types and ceilings; no import.
+
+    Raises:
+        ConfigError: Names the option, what it must be and what it is.
+
+    """
+    _input_spec(spec)
 
 
 def _input_spec(spec: ModelSpec) -> InputSpec:
@@ -103,7 +166,7 @@ def _input_spec(spec: ModelSpec) -> InputSpec:
             return IMAGE_INPUT
         return InputSpec(kind="image", shape=_parse_shape(opts), dtype=torch.float32)
     shape = _parse_shape(opts) if opts.has("input_shape") else (64,)
-    vocab_size = opts.get_int("vocab_size", 1000)
+    vocab_size = opts.get_int("vocab_size", 1000, maximum=MAX_VOCAB)
     return InputSpec(kind="tokens", shape=shape, dtype=torch.int64, vocab_size=vocab_size)
 
 
@@ -116,9 +179,17 @@ def _parse_shape(opts: Options) -> tuple[int, ...]:
         dims = raw.lower().split("x")
     else:
         raise opts.error("input_shape", expected, raw)
-    if not all(d.strip().isdigit() and int(d) > 0 for d in dims):
+    # digits only and a bounded length before int(): no huge number is ever parsed
+    if len(dims) > _MAX_DIMS or not all(d.strip().isdigit() and len(d) <= 9 for d in dims):
         raise opts.error("input_shape", expected, raw)
-    return tuple(int(d) for d in dims)
+    shape = tuple(int(d) for d in dims)
+    if min(shape) < 1 or math.prod(shape) > MAX_INPUT_ELEMENTS:
+        raise opts.error(
+            "input_shape",
+            f"{expected}, at most {_MAX_DIMS} dimensions and {MAX_INPUT_ELEMENTS} elements",
+            raw,
+        )
+    return shape
 
 
 def _check_no_shared_parameters(spec: ModelSpec, layers: list[nn.Module]) -> None:

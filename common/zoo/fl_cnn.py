@@ -9,10 +9,36 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from common.zoo._count import conv, linear
 from common.zoo._options import Options
 from common.zoo._types import InputSpec, ModelSpec, ZooModel
 
-__all__ = ["build_fl_cnn"]
+__all__ = ["build_fl_cnn", "count_fl_cnn"]
+
+_MAX_CHANNELS = 1024
+_MAX_SIZE = 1024
+_MAX_WIDTH = 4096
+_MAX_HIDDEN = 1 << 16
+
+
+def _options(spec: ModelSpec) -> tuple[int, int, int, int]:
+    """``(channels, size, width, hidden)``, each bounded far beyond FedAvg's CNN."""
+    opts = Options(spec, {"channels", "size", "width", "hidden"})
+    channels = opts.get_int("channels", 3, maximum=_MAX_CHANNELS)
+    size = opts.get_int("size", 32, minimum=4, maximum=_MAX_SIZE)
+    width = opts.get_int("width", 32, maximum=_MAX_WIDTH)
+    hidden = opts.get_int("hidden", 512, maximum=_MAX_HIDDEN)
+    if size % 4:
+        raise opts.error("size", "a multiple of 4 (two 2x2 poolings)", size)
+    return channels, size, width, hidden
+
+
+def count_fl_cnn(spec: ModelSpec) -> int:
+    """The parameters `build_fl_cnn` would allocate, without allocating them."""
+    channels, size, width, hidden = _options(spec)
+    flat = 2 * width * (size // 4) ** 2
+    convs = conv(channels, width, 5) + conv(width, 2 * width, 5)
+    return convs + linear(flat, hidden) + linear(hidden, spec.num_classes)
 
 
 def _conv_block(in_channels: int, out_channels: int) -> nn.Sequential:
@@ -31,19 +57,14 @@ def build_fl_cnn(spec: ModelSpec) -> ZooModel:
     Padding 2 keeps each convolution size-preserving, so the same net takes 8x8
     one-channel digits (``channels=1, size=8``) and 32x32 RGB CIFAR (the default).
     Options: ``channels`` (3), ``size`` (32, a multiple of 4), ``width`` (first conv's
-    channels, 32; the second has twice as many), ``hidden`` (512), as in FedAvg's CNN.
+    channels, 32; the second has twice as many), ``hidden`` (512), as in FedAvg's CNN;
+    each has a ceiling (`_options`).
 
     Raises:
         ConfigError: An unknown option, or ``size`` not a multiple of 4.
 
     """
-    opts = Options(spec, {"channels", "size", "width", "hidden"})
-    channels = opts.get_int("channels", 3)
-    size = opts.get_int("size", 32, minimum=4)
-    width = opts.get_int("width", 32)
-    hidden = opts.get_int("hidden", 512)
-    if size % 4:
-        raise opts.error("size", "a multiple of 4 (two 2x2 poolings)", size)
+    channels, size, width, hidden = _options(spec)
     flat = 2 * width * (size // 4) ** 2
     layers: list[nn.Module] = [
         _conv_block(channels, width),

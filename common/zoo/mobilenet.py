@@ -8,11 +8,15 @@ shrinking to 1 px.
 import torch
 from torch import nn
 
+from common.zoo._count import conv_bn, linear
 from common.zoo._layers import ConvBNAct, PoolClassifier, init_conv_bn, make_divisible
 from common.zoo._options import Options
 from common.zoo._types import IMAGE_INPUT, ModelSpec, ZooModel
 
-__all__ = ["InvertedResidual", "build_mobilenet_v2"]
+__all__ = ["MAX_WIDTH_MULT", "InvertedResidual", "build_mobilenet_v2", "count_mobilenet_v2"]
+
+MAX_WIDTH_MULT = 16.0
+"""Widest scaling: 16x (about 560 M parameters), far beyond the published 1.4."""
 
 # (expansion t, output channels c, repeats n, first stride s), CIFAR strides.
 _SETTINGS: tuple[tuple[int, int, int, int], ...] = (
@@ -48,13 +52,38 @@ class InvertedResidual(nn.Module):
         return x + out if self.use_residual else out
 
 
+def _width_mult(spec: ModelSpec) -> float:
+    return Options(spec, {"width_mult"}).get_float("width_mult", 1.0, maximum=MAX_WIDTH_MULT)
+
+
+def _count_block(in_channels: int, out_channels: int, expand: int) -> int:
+    hidden = round(in_channels * expand)
+    expansion = conv_bn(in_channels, hidden, 1) if expand != 1 else 0
+    return expansion + conv_bn(hidden, hidden, 3, groups=hidden) + conv_bn(hidden, out_channels, 1)
+
+
+def count_mobilenet_v2(spec: ModelSpec) -> int:
+    """The parameters `build_mobilenet_v2` would allocate, without allocating them."""
+    width_mult = _width_mult(spec)
+    channels = make_divisible(32 * width_mult)
+    last_channels = make_divisible(1280 * max(1.0, width_mult))
+    total = conv_bn(IMAGE_INPUT.shape[0], channels, 3)
+    for expand, c, repeats, _ in _SETTINGS:
+        out_channels = make_divisible(c * width_mult)
+        for _ in range(repeats):
+            total += _count_block(channels, out_channels, expand)
+            channels = out_channels
+    total += conv_bn(channels, last_channels, 1)
+    return total + linear(last_channels, spec.num_classes)
+
+
 def build_mobilenet_v2(spec: ModelSpec) -> ZooModel:
     """Build stem, 17 inverted residual blocks, the 1x1 head conv and the classifier.
 
-    20 layers. Options: ``width_mult`` (default 1.0) scales every channel count.
+    20 layers. Options: ``width_mult`` (default 1.0, at most `MAX_WIDTH_MULT`) scales
+    every channel count.
     """
-    opts = Options(spec, {"width_mult"})
-    width_mult = opts.get_float("width_mult", 1.0)
+    width_mult = _width_mult(spec)
     channels = make_divisible(32 * width_mult)
     last_channels = make_divisible(1280 * max(1.0, width_mult))
 

@@ -7,11 +7,23 @@ CIFAR adaptation: a 3x3 stride-1 stem and no max-pool, so the four stages see
 import torch
 from torch import nn
 
+from common.zoo._count import conv_bn, linear
 from common.zoo._layers import ConvBNAct, PoolClassifier, init_conv_bn
 from common.zoo._options import Options
 from common.zoo._types import IMAGE_INPUT, ModelSpec, ZooModel
 
-__all__ = ["BasicBlock", "Bottleneck", "build_resnet18", "build_resnet50"]
+__all__ = [
+    "BasicBlock",
+    "Bottleneck",
+    "build_resnet18",
+    "build_resnet50",
+    "count_resnet18",
+    "count_resnet50",
+]
+
+_PLANES = (64, 128, 256, 512)
+_RESNET18 = (2, 2, 2, 2)
+_RESNET50 = (3, 4, 6, 3)
 
 
 def _shortcut(in_channels: int, out_channels: int, stride: int) -> nn.Module | None:
@@ -67,7 +79,7 @@ def _build(
     Options(spec, set())
     layers: list[nn.Module] = [ConvBNAct(IMAGE_INPUT.shape[0], 64, 3)]
     channels = 64
-    for stage, (planes, n) in enumerate(zip((64, 128, 256, 512), repeats, strict=True)):
+    for stage, (planes, n) in enumerate(zip(_PLANES, repeats, strict=True)):
         for i in range(n):
             stride = 2 if stage > 0 and i == 0 else 1
             layers.append(block(channels, planes, stride))
@@ -77,11 +89,44 @@ def _build(
     return ZooModel(layers, IMAGE_INPUT, spec.num_classes, has_batchnorm=True)
 
 
+def _count_block(bottleneck: bool, in_channels: int, planes: int, stride: int) -> int:
+    out_channels = planes * (Bottleneck if bottleneck else BasicBlock).expansion
+    if bottleneck:
+        body = conv_bn(in_channels, planes, 1) + conv_bn(planes, planes, 3)
+        body += conv_bn(planes, out_channels, 1)
+    else:
+        body = conv_bn(in_channels, planes, 3) + conv_bn(planes, planes, 3)
+    if stride != 1 or in_channels != out_channels:
+        body += conv_bn(in_channels, out_channels, 1)
+    return body
+
+
+def _count(spec: ModelSpec, bottleneck: bool, repeats: tuple[int, ...]) -> int:
+    Options(spec, set())
+    total = conv_bn(IMAGE_INPUT.shape[0], 64, 3)
+    channels = 64
+    for stage, (planes, n) in enumerate(zip(_PLANES, repeats, strict=True)):
+        for i in range(n):
+            total += _count_block(bottleneck, channels, planes, 2 if stage > 0 and i == 0 else 1)
+            channels = planes * (Bottleneck if bottleneck else BasicBlock).expansion
+    return total + linear(channels, spec.num_classes)
+
+
+def count_resnet18(spec: ModelSpec) -> int:
+    """The parameters `build_resnet18` would allocate, without allocating them."""
+    return _count(spec, False, _RESNET18)
+
+
+def count_resnet50(spec: ModelSpec) -> int:
+    """The parameters `build_resnet50` would allocate, without allocating them."""
+    return _count(spec, True, _RESNET50)
+
+
 def build_resnet18(spec: ModelSpec) -> ZooModel:
     """Build ResNet-18: stem, 8 basic blocks, pool+fc (10 layers, no options)."""
-    return _build(spec, BasicBlock, (2, 2, 2, 2))
+    return _build(spec, BasicBlock, _RESNET18)
 
 
 def build_resnet50(spec: ModelSpec) -> ZooModel:
     """Build ResNet-50: stem, 16 bottleneck blocks, pool+fc (18 layers, no options)."""
-    return _build(spec, Bottleneck, (3, 4, 6, 3))
+    return _build(spec, Bottleneck, _RESNET50)

@@ -15,26 +15,30 @@ from common.errors import ConfigError
 from common.job import JobSpec
 from common.job_data import train_size
 from common.planner_names import PLANNER_NAMES
-from common.zoo import build_model
+from services.coordinator.model_probe import ProbeLimits, probe_model
 
 __all__ = ["check_job"]
 
 
-def check_job(job: JobSpec, allowed_modules: Collection[str] = ()) -> int:
+_LIMITS = ProbeLimits()
+
+
+def check_job(
+    job: JobSpec, allowed_modules: Collection[str] = (), limits: ProbeLimits = _LIMITS
+) -> int:
     """The number of rounds `job` runs; ConfigError names the first field at fault.
 
     `allowed_modules` is the checking service's own ``model_modules`` setting: a
     ``module:factory`` model outside it is refused before anything is imported.
-    Building the model is where absurd options meet memory, so whatever the build
-    raises (a failed allocation, say) is reported as the model's fault, not the
-    service's.
+    The job's own validation already bounded every option and a zoo model's size;
+    the model is then built in a child process under `limits` (`probe_model`), so
+    what is left (a user factory's appetite, a slow build) is the model's fault and
+    never the checking service's memory or time.
     """
     try:
-        build_model(job.model, job.seed, allowed_modules)
+        probe_model(job.model, job.seed, allowed_modules, limits)
     except ConfigError as exc:
         raise ConfigError(f"model: {exc}") from exc
-    except (MemoryError, RuntimeError, ValueError, TypeError, OverflowError) as exc:
-        raise ConfigError(f"model: {job.model.name!r} cannot be built: {exc!r}") from exc
     if job.planner not in PLANNER_NAMES:
         raise ConfigError(f"planner: {job.planner!r} is not one of {sorted(PLANNER_NAMES)}")
     size = train_size(job)

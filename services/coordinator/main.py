@@ -27,6 +27,7 @@ from common.profile import ClusterSpec
 from common.secrets import mask_text
 from common.settings import CoordinatorSettings
 from common.version import VERSION
+from services.coordinator.model_probe import start_probe_server
 from services.coordinator.service import Coordinator
 
 __all__ = ["main", "redis_problem", "run"]
@@ -136,6 +137,7 @@ def run(settings: CoordinatorSettings) -> ExitCode:
     log.info("coordinator listening", bind=coord.endpoint, version=VERSION)
     try:
         if job is None:
+            start_probe_server()  # its imports overlap the wait for the first submission
             coord.serve()
             return ExitCode.OK
         plan = _plan(coord, settings, job) if settings.plan else None

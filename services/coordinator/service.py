@@ -60,6 +60,7 @@ from common.sockets import bind_router
 from common.store import OUTAGE, REFUSED, Store
 from common.version import VERSION
 from services.coordinator.checks import check_job
+from services.coordinator.model_probe import probe_limits
 from services.coordinator.core import (
     Beats,
     Complete,
@@ -703,7 +704,7 @@ class Coordinator:
         (delete it first) says what to do with it: starting a job never deletes
         another run's checkpoints by itself.
         """
-        total = check_job(job, self.settings.model_modules)
+        total = check_job(job, self.settings.model_modules, probe_limits(self.settings))
         committed = 0
 
         def admit_job() -> None:
@@ -796,7 +797,7 @@ class Coordinator:
 
     def submit(self, job: JobSpec, replace: bool = False) -> None:
         """Check `job` and queue it; ConfigError says what is wrong and nothing starts."""
-        total = check_job(job, self.settings.model_modules)
+        total = check_job(job, self.settings.model_modules, probe_limits(self.settings))
         state = self.store.get_fields("job", job.job_id).get("state")
         if state in ACTIVE or any(q.job_id == job.job_id for q, _ in self.queue):
             raise ConfigError(f"job_id: job {job.job_id} is already {state or 'queued'}")

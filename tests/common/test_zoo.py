@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from common.errors import ConfigError, PlanError
-from common.zoo import InputSpec, ModelSpec, ZooModel, build_model, model_names
+from common.zoo import InputSpec, ModelSpec, ZooModel, build_model, model_factory, model_names
 from common.zoo.bert import EncoderLayer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,17 +250,19 @@ def _raises() -> nn.Sequential:
 @pytest.fixture(autouse=True)
 def factories(monkeypatch: pytest.MonkeyPatch) -> None:
     module = types.ModuleType(FACTORIES)
-    module.__dict__.update(
-        sequential=_sequential,
-        token_layers=_token_layers,
-        zoo_model=_zoo_model,
-        shared=_shared,
-        raises=_raises,
-        identity=nn.Identity,
-        empty=list,
-        not_callable=3,
-        mixed=lambda: [nn.ReLU(), "relu"],
-    )
+    factories = {
+        "sequential": _sequential,
+        "token_layers": _token_layers,
+        "zoo_model": _zoo_model,
+        "shared": _shared,
+        "raises": _raises,
+        "identity": lambda: nn.Identity(),
+        "empty": lambda: [],
+        "mixed": lambda: [nn.ReLU(), "relu"],
+    }
+    module.__dict__.update({k: model_factory(f) for k, f in factories.items()})
+    # a callable the module holds but never declared a factory, like a cache-clearing helper
+    module.__dict__.update(not_callable=3, undeclared=lambda: _sequential())
     monkeypatch.setitem(sys.modules, FACTORIES, module)
 
 
@@ -303,6 +305,7 @@ def test_custom_factory_may_return_a_zoo_model() -> None:
         ("no_such_module_xyz:factory", {}, "cannot import module 'no_such_module_xyz'"),
         (f"{FACTORIES}:missing", {}, "has no callable 'missing'"),
         (f"{FACTORIES}:not_callable", {}, "has no callable 'not_callable'"),
+        (f"{FACTORIES}:undeclared", {}, "'undeclared' in module .* is not declared a model"),
         (f"{FACTORIES}:identity", {}, "got Identity"),
         (f"{FACTORIES}:mixed", {}, "got list"),
         (f"{FACTORIES}:empty", {}, "returned no layers"),

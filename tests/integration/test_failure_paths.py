@@ -21,6 +21,7 @@ from torch import nn
 
 from common.exit_codes import ExitCode
 from common.store import Store
+from common.zoo import model_factory
 from tests.cluster import LocalCluster
 from tests.faulty_worker import STALL_EVENT
 from tests.integration.test_equivalence import stage
@@ -44,11 +45,13 @@ class _Sleep(nn.Module):
         return x
 
 
+@model_factory
 def unprofilable() -> nn.Sequential:
     """A model that builds (the coordinator accepts it) but whose second layer cannot run."""
     return nn.Sequential(nn.Flatten(), nn.Linear(10, 10))
 
 
+@model_factory
 def slow_to_profile() -> nn.Sequential:
     """A model every forward of which takes `SLEEP_S`: its profile cannot be quick."""
     return nn.Sequential(nn.Flatten(), _Sleep(), nn.Linear(3 * 32 * 32, 10))

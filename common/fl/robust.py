@@ -80,8 +80,8 @@ class RobustAggregation(BaseModel):
         10.0,
         gt=1,
         le=1e6,
-        description="Clip an update's delta from the global model to this multiple of the "
-        "median delta norm (None: no clipping).",
+        description="Clip an update's delta from the model it trained from to this multiple "
+        "of the median delta norm (None: no clipping).",
     )
     reject_norm: float | None = Field(
         1000.0,

@@ -12,11 +12,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from common.secrets import mask_url
+from common.secrets import mask_url, remember_url, url_with_password_file
 from common.units import Bytes, BytesPerSecond
 
 __all__ = [
@@ -60,6 +60,11 @@ class CommonSettings(BaseSettings):
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0", description="Redis holding shared state and checkpoints."
     )
+    redis_password_file: Path | None = Field(
+        None,
+        description="File holding the Redis password, joined to the user of --redis-url, so "
+        "the password is neither in argv (`ps` shows it) nor in the environment.",
+    )
     cluster: str = Field("default", description="Key prefix separating clusters in one Redis.")
     coordinator: str = Field(
         "tcp://127.0.0.1:5555", description="Control-plane address of the coordinator."
@@ -87,6 +92,13 @@ class CommonSettings(BaseSettings):
         gt=0,
         description="Largest tensor frame accepted, larger announcements are refused (bytes, "
         "or like 1GiB).",
+    )
+    inbound_margin: Bytes = Field(
+        512 << 20,
+        gt=0,
+        description="Memory (bytes, or like 512MiB) a service may grow beyond its planned size "
+        "before it resets its listening socket: ZeroMQ keeps a multipart message's frames "
+        "until its last one, however many a peer sends.",
     )
     keys: Path | None = Field(
         None,
@@ -117,7 +129,20 @@ class CommonSettings(BaseSettings):
             raise PydanticCustomError(
                 "redis_url", "expected a URL like redis://HOST:6379/0 (or rediss://, unix://)"
             )
+        remember_url(value)  # its password is hidden wherever this process shows text
         return value
+
+    @model_validator(mode="after")
+    def _password_from_file(self) -> CommonSettings:
+        if self.redis_password_file is not None:
+            try:
+                url = url_with_password_file(self.redis_url, self.redis_password_file)
+            except ValueError as exc:
+                where = "--redis-password-file (ASTEROID_REDIS_PASSWORD_FILE)"
+                raise PydanticCustomError("redis_password_file", f"{where}: {exc}") from None
+            object.__setattr__(self, "redis_url", url)
+            self.redis_password_file = None  # read once: a copy of these settings keeps the URL
+        return self
 
     @field_validator("coordinator")
     @classmethod
@@ -286,6 +311,16 @@ class CoordinatorSettings(CommonSettings):
         description="Most devices the coordinator remembers that the running job's plan does "
         "not name; heartbeats of further new ids are dropped (and counted in the log).",
     )
+    model_check_memory_mb: int = Field(
+        6144,
+        ge=64,
+        le=1 << 24,
+        description="Memory a submitted job's model may take while it is checked: it is "
+        "built in a child process with this address-space limit, never in the coordinator.",
+    )
+    model_check_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="Longest build of a submitted job's model when checked."
+    )
     job: Path | None = Field(None, description="Job spec (YAML) to run at start.")
     plan: str | None = Field(
         None,
@@ -304,16 +339,6 @@ class CoordinatorSettings(CommonSettings):
     link_bandwidth: BytesPerSecond = Field(
         125e6,
         gt=0,
-    model_check_memory_mb: int = Field(
-        6144,
-        ge=64,
-        le=1 << 24,
-        description="Memory a submitted job's model may take while it is checked: it is "
-        "built in a child process with this address-space limit, never in the coordinator.",
-    )
-    model_check_timeout_s: float = Field(
-        60.0, gt=0, le=3600, description="Longest build of a submitted job's model when checked."
-    )
         description="Bytes/s (a number, or like 125MB/s; bits are refused) the planner assumes "
         "between workers whose link could not be measured, when no --cluster-spec gives the "
         "links.",

@@ -27,9 +27,9 @@ from typing import Any, TypeVar, cast
 
 import redis
 
-from common.errors import StoreError, StoreRefused, StoreUnavailable
+from common.errors import ConfigError, StoreError, StoreRefused, StoreUnavailable
 from common.logging import get_logger
-from common.secrets import mask_text, mask_url
+from common.secrets import mask_text, mask_url, remember_url
 
 __all__ = ["OUTAGE", "REFUSED", "Store"]
 
@@ -58,9 +58,18 @@ class Store:
 
     def __init__(self, url: str, cluster: str) -> None:
         self.prefix = f"asteroid:{cluster}:"
+        remember_url(url)  # hidden from now on wherever this process shows text
         self.where = mask_url(url)
         """The Redis URL with its password hidden: what errors and logs may show."""
-        self.r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
+        try:
+            self.r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
+        except ValueError:
+            # redis-py's message quotes the piece it choked on, a piece of the password
+            raise ConfigError(
+                f"cannot read the Redis URL {self.where}: a password holding '@', ':', '/', "
+                "'?', '#', '%' or spaces must be percent-encoded (or put in "
+                "--redis-password-file)"
+            ) from None
         self._waitaof: bool | None = None
         """Whether WAITAOF works here; None until the first `wait_durable` finds out."""
 

@@ -6,6 +6,7 @@ of the honest homes alone for what a screened round must produce.
 """
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -44,7 +45,7 @@ def states(n: int, seed: int = 0) -> list[dict[str, Tensor]]:
     ]
 
 
-def flat(state: dict[str, Tensor]) -> Tensor:
+def flat(state: Mapping[str, Tensor]) -> Tensor:
     return torch.cat([state[k].double().flatten() for k in ("w", "b")])
 
 

@@ -300,7 +300,9 @@ def _assign(run: Run, now: float) -> Out:
     run = replace(run, phase="assign")
     if rec is not None:
         run = replace(run, recovery=replace(rec, moving_at=rec.moving_at or now))
-    return begin_step(run, Assigned, frm, now, watchdog=False), cmds
+    # watched like a round: a device that never starts its stage (one that heartbeats but
+    # never took the Assign) is hung; one loading its stage says it is waiting on the load
+    return begin_step(run, Assigned, frm, now), cmds
 
 
 def _assigned(run: Run, now: float) -> Out:

@@ -204,8 +204,14 @@ def lost(run: Run, devices: Sequence[DeviceId], reason: str, now: float) -> Out:
         )
     if run.cancel is not None:
         return replace(run, phase="cancelled", outcome=run.cancel, wait=None), cmds
-    # a device that comes back (restarted) may be taken in again
-    passed_over = run.passed_over - set(devices)
+    # a device that comes back (restarted) may be taken in again; not one lost while it
+    # still said "idle" to an Assign (it never took it): planned again, it would be lost again
+    never = {
+        d
+        for d in devices
+        if run.phase == "assign" and d in run.members and run.members[d].info.state == "idle"
+    }
+    passed_over = (run.passed_over - set(devices)) | never
     run = replace(run, phase="recovering", recovery=rec, wait=None, passed_over=passed_over)
     return run, [*cmds, ReadCapacities()]
 

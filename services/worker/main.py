@@ -182,7 +182,8 @@ class Worker:
             round=r.round if r else -1,
             state=self.state,
             progress=r.progress if r else 0,
-            waiting=r.waiting if r else False,
+            # loading a stage waits on Redis or on peers (each read bounded): not a hang
+            waiting=self.state == "loading" or (r.waiting if r else False),
             version=VERSION,
         )
 

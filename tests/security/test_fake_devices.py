@@ -5,8 +5,10 @@ beyond any machine (0 or 10^9 threads, 10^18 bytes of memory, a 900 KB
 record) are refused with the field named, and 256 such records cost the
 coordinator no memory. (b) A plausible claim with a fingerprint copied from
 the real workers, from a device that never runs a stage, is left out of the
-plan: the job on the real workers (profiler, planner, coordinator, two
-workers, all real processes) finishes with the single-process weights.
+plan; one that answers the challenge but never takes its Assign is hung at
+the watchdog and the job recovers without it. The job on the real workers
+(profiler, planner, coordinator, two workers, all real processes) finishes
+with the single-process weights.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import pytest
 import zmq
 
 from common.checkpoint import load_full_state
-from common.codec import encode
+from common.codec import Limits, encode, recv_message
 from common.device import cpu_quota, device_fingerprint, visible_cores
 from common.exit_codes import ExitCode
 from common.ids import DeviceId
-from common.messages import Heartbeat
+from common.messages import Heartbeat, Probe, ProbeReply
 from common.sockets import connect_dealer
 from common.version import VERSION
 from tests.cluster import LocalCluster
@@ -124,16 +126,17 @@ def test_claims_beyond_any_device_are_refused_and_cost_no_memory(
         cluster.close()
 
 
-def _impostor(addr: str, stop: threading.Event) -> None:
+def _impostor(addr: str, name: str, answer: bool, stop: threading.Event) -> None:
     """A plain DEALER that heartbeats like a real worker of this machine and never runs a stage.
 
     Its fingerprint is the one the real workers compute (one thread, no
-    configured budget), and every other claim agrees with it.
+    configured budget), and every other claim agrees with it. With `answer`
+    it answers the coordinator's probes (and so its challenge), nothing else.
     """
     ctx: zmq.Context[Any] = zmq.Context()
-    sock = connect_dealer(ctx, addr, "fake")
+    sock = connect_dealer(ctx, addr, name)
     beat = Heartbeat(
-        device=DeviceId("fake"),
+        device=DeviceId(name),
         data_addr="tcp://127.0.0.1:9",
         memory_budget=GiB,
         fingerprint=device_fingerprint(1, 0),
@@ -145,8 +148,14 @@ def _impostor(addr: str, stop: threading.Event) -> None:
         version=VERSION,
     )
     try:
-        while not stop.wait(0.3):
-            sock.send_multipart(encode(beat, "fake"))
+        while not stop.is_set():
+            sock.send_multipart(encode(beat, name))
+            deadline = time.monotonic() + 0.3
+            while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000) + 1):
+                _, env = recv_message(sock, Limits())
+                if answer and isinstance(env.msg, Probe):
+                    reply = ProbeReply(device=DeviceId(name), nonce=env.msg.nonce)
+                    sock.send_multipart(encode(reply, name))
     finally:
         sock.close(0)
         ctx.term()
@@ -159,7 +168,7 @@ SGD = {"kind": "sgd", "lr": 0.01, "momentum": 0.9}
 DATASET = {"kind": "synthetic", "train_size": 256}
 
 
-def test_a_fake_device_with_a_copied_fingerprint_is_not_planned(
+def test_fakes_with_a_copied_fingerprint_do_not_hold_up_a_job(
     tmp_path: Path, redis_url, cluster_name, budget, store
 ):
     cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
@@ -169,10 +178,14 @@ def test_a_fake_device_with_a_copied_fingerprint_is_not_planned(
             "ASTEROID_WARMUP": "0",
             "ASTEROID_LINK_PROBE_BYTES": "0",
             "ASTEROID_ROUND_TIMEOUT_S": "30",  # bounds the run where the fake is planned
+            "ASTEROID_HUNG_MIN_S": "5",
         }
     )
     stop = threading.Event()
-    fake = threading.Thread(target=_impostor, args=(cluster.addr, stop), daemon=True)
+    fakes = [
+        threading.Thread(target=_impostor, args=(cluster.addr, name, answer, stop), daemon=True)
+        for name, answer in (("fake", False), ("mute", True))
+    ]
     job = {
         "job_id": "impostor",
         "model": MODEL,
@@ -188,12 +201,13 @@ def test_a_fake_device_with_a_copied_fingerprint_is_not_planned(
         "adapt": False,
     }
     try:
-        fake.start()
+        for fake in fakes:
+            fake.start()
         cluster.spawn("profiler", ["-m", "services.profiler.main", "--serve"])
         cluster.spawn("planner", ["-m", "services.planner.service"])
         cluster.start_coordinator(job)
         deadline = time.monotonic() + budget.left(60)
-        while not store.get_fields("device", "fake"):  # known before any real worker
+        while not all(store.get_fields("device", f) for f in ("fake", "mute")):  # joined first
             alive(cluster)
             assert time.monotonic() < deadline, cluster.log_tail("coordinator")
             time.sleep(0.05)
@@ -202,15 +216,20 @@ def test_a_fake_device_with_a_copied_fingerprint_is_not_planned(
         assert code == ExitCode.OK, cluster.log_tail("coordinator", 60)
     finally:
         stop.set()
-        fake.join(timeout=10)
+        for fake in fakes:
+            fake.join(timeout=10)
         cluster.close()
     plan = store.get_json("plan", "impostor")
     assert sorted(a["device"] for st in plan["stages"] for a in st["devices"]) == ["a", "b"]
+    events = cluster.log_events("coordinator")
     left = [
         e
-        for e in cluster.log_events("coordinator")
+        for e in events
         if e.get("event") == "device left out of the plan" and e.get("device") == "fake"
     ]
     assert left and "did not answer a challenge" in left[0]["reason"], left
+    # the one that answers was planned, never took its Assign, and was hung at the watchdog
+    lost = [e for e in events if e.get("event") == "devices lost; recovering"]
+    assert [e["lost"] for e in lost] == [["mute"]], lost
     ref, _ = reference_train(MODEL, 5, BATCH, ROUNDS, SGD, dataset=DATASET)
     assert_matches_reference(load_full_state(store, "impostor", ROUNDS), ref)

@@ -5,7 +5,11 @@ sockets get MAXMSGSIZE so ZeroMQ itself drops a peer that sends an absurd frame.
 A bound ROUTER also gets a receive high-water mark: once a peer has that many
 messages queued unread, ZeroMQ stops reading its connection until the service
 catches up, so a flooding peer fills its own send queue and the kernel's
-buffers, not the server's memory.
+buffers, not the server's memory. A connection that never finishes its
+handshake is closed after `HANDSHAKE_S`, and the process may hold as many open
+files as its hard limit allows, so a crowd of half-open connections neither
+lasts nor keeps honest peers out. What no option bounds, one endless multipart
+message, `common.inbound` bounds by the process's size and `reset_router`.
 
 With `keys` (a `common.curve.CurveKeys`), a bound ROUTER is a CURVE server whose
 ZAP handler admits only keys of the cluster's set in the given roles, and a
@@ -16,7 +20,11 @@ the coordinator refuses to bind beyond it without keys).
 
 from __future__ import annotations
 
+import errno
+import functools
+import resource
 import secrets
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,8 +32,24 @@ import zmq
 
 from common.codec import NONCE_HEX, Limits
 from common.curve import CurveKeys, start_authenticator, stop_authenticator
+from common.inbound import release_freed_memory
 
-__all__ = ["ROUTER_RCVHWM", "bind_router", "connect_dealer", "poll_in"]
+__all__ = [
+    "HANDSHAKE_S",
+    "ROUTER_RCVHWM",
+    "bind_router",
+    "connect_dealer",
+    "poll_in",
+    "reset_router",
+]
+
+HANDSHAKE_S = 5.0
+"""Longest a connection may take to finish its ZMTP (and CURVE) handshake: an honest
+peer needs milliseconds, even across a slow link; ZeroMQ's own default is 30 s."""
+BACKLOG = 1_024
+"""Connections the kernel queues for accepting (ZeroMQ's default: 100)."""
+REBIND_S = 5.0
+"""Longest `reset_router` waits for the closed socket's port to be free again."""
 
 ROUTER_RCVHWM = 10_000
 """Default messages a bound ROUTER queues unread per connected peer.
@@ -68,6 +92,7 @@ def bind_router(
     """
     if rcvhwm < 1:
         raise ValueError(f"a ROUTER's receive high-water mark must be >= 1, got {rcvhwm}")
+    _open_files_to_the_hard_limit()
     sock: zmq.Socket[Any]
     if keys is None:
         sock = ctx.socket(zmq.ROUTER)
@@ -87,6 +112,8 @@ def bind_router(
     sock.setsockopt(zmq.MAXMSGSIZE, limits.max_tensor_bytes + limits.max_header_bytes)
     sock.setsockopt(zmq.RCVHWM, rcvhwm)
     sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+    sock.setsockopt(zmq.BACKLOG, BACKLOG)
     # a peer that reconnects (same socket, same identity) takes back its own stale route;
     # only its holder knows an identity's nonce (`common.codec.peer_of_route`)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -95,6 +122,41 @@ def bind_router(
     sock.bind(addr)
     endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return sock, endpoint
+
+
+def reset_router(
+    sock: zmq.Socket[Any],
+    ctx: zmq.Context[Any],
+    limits: Limits,
+    keys: CurveKeys | None = None,
+    roles: Iterable[str] = ("worker",),
+    rcvhwm: int = ROUTER_RCVHWM,
+) -> zmq.Socket[Any]:
+    """Close the bound ROUTER `sock` and bind a new one (same options) at its endpoint.
+
+    Every connection's unfinished message goes with the old socket (see
+    `common.inbound`); peers' DEALERs reconnect by themselves. Waits at most
+    `REBIND_S` for ZeroMQ to release the port, which it closes asynchronously.
+    """
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    sock.close(0)
+    release_freed_memory()
+    deadline = time.monotonic() + REBIND_S
+    while True:
+        try:
+            return bind_router(ctx, endpoint, limits, keys, roles, rcvhwm)[0]
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@functools.cache
+def _open_files_to_the_hard_limit() -> None:
+    """Let this process open as many files as it may (once): each connection is one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def connect_dealer(

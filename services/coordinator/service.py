@@ -30,6 +30,7 @@ from common.codec import Limits, recv_message, send_message
 from common.curve import is_loopback, load_keys
 from common.errors import AsteroidError, ConfigError, PlanError, ProtocolError
 from common.ids import DeviceId
+from common.inbound import MemoryGuard
 from common.job import JobSpec, check_job_id
 from common.lifecycle import ACTIVE
 from common.locate import location_of
@@ -56,7 +57,7 @@ from common.profile import ClusterSpec
 from common.secrets import mask_text
 from common.serving_messages import InferReply, InferRequest, ServeModel, ServeSpec
 from common.settings import CoordinatorSettings
-from common.sockets import bind_router
+from common.sockets import bind_router, reset_router
 from common.store import OUTAGE, REFUSED, Store
 from common.version import VERSION
 from services.coordinator.checks import check_job
@@ -177,6 +178,9 @@ class Coordinator:
         self.sock, self.endpoint = bind_router(
             self.ctx, settings.bind, self.limits, keys=keys, roles=CONTROL_ROLES
         )
+        self._keys = keys
+        self.guard = MemoryGuard.above_now(settings.inbound_margin)
+        """Resets the control socket should peers' unfinished messages outgrow the margin."""
         self.store = Store(settings.redis_url, settings.cluster)
         self.members: Members = {}
         self.versions: Mapping[DeviceId, str] = {}
@@ -329,6 +333,14 @@ class Coordinator:
         flood cannot keep a caller from its deadlines (the rest waits in the
         socket for the next call). Forgets expired devices on the way out.
         """
+        if self.guard.exceeded():
+            log.warning(
+                "reset the control socket: the coordinator outgrew its memory limit (a peer "
+                "sending an unfinished message?)",
+                limit=self.guard.limit,
+                resets=self.guard.resets,
+            )
+            self.sock = reset_router(self.sock, self.ctx, self.limits, self._keys, CONTROL_ROLES)
         wait_ms = int(timeout_s * 1000)
         handled = 0
         stop = math.inf

@@ -41,6 +41,7 @@ from common.device import (
 from common.errors import AsteroidError, ConfigError, RoundAbortedError
 from common.exit_codes import ExitCode
 from common.ids import DeviceId
+from common.inbound import MemoryGuard
 from common.locate import CoordinatorUnreachable, with_redis
 from common.logging import bind_global, configure_logging, get_logger
 from common.memory import keep_freed_memory
@@ -192,6 +193,10 @@ class Worker:
         _warm_up()
         # measured after torch is loaded: what is left is what training may use
         self.budget = training_budget(self.settings.memory_budget)
+        # what peers may make this process hold: its training, the pool's parts, a margin
+        self.receiver.guard = MemoryGuard.above_now(
+            self.budget + self.settings.pool_max_bytes + self.settings.inbound_margin
+        )
         self.receiver.start()
         self.sink.start()
         self.dispatcher.start()

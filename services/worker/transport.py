@@ -24,10 +24,11 @@ import zmq
 from common.codec import Envelope, Limits, encode, recv_message
 from common.curve import CurveKeys
 from common.errors import ConfigError, ProtocolError
+from common.inbound import MemoryGuard
 from common.logging import get_logger
 from common.messages import Activation, Gradient, LayerState, Message, ReduceChunk
 from common.serving_messages import HmpTile
-from common.sockets import bind_router, connect_dealer
+from common.sockets import bind_router, connect_dealer, reset_router
 from services.worker.holdings import Holdings
 from services.worker.pool import TaskPool
 from services.worker.tiles import TileInbox
@@ -55,7 +56,11 @@ class Receiver(threading.Thread):
         self.tiles = tiles
         # with keys: a CURVE server with this worker's own pair, admitting worker keys only
         self.sock, self.endpoint = bind_router(ctx, bind, limits, keys=keys, roles=("worker",))
+        self.ctx = ctx
+        self.keys = keys
         self.limits = limits
+        self.guard: MemoryGuard | None = None
+        """Set before `start`: the socket is reset when the process outgrows it."""
         self.pool = pool
         self.stop = threading.Event()
         self.bad_messages = 0
@@ -64,6 +69,8 @@ class Receiver(threading.Thread):
         """Receive until stopped; never dies on a bad message."""
         try:
             while not self.stop.is_set():
+                if self.guard is not None and self.guard.exceeded():
+                    self._reset(self.guard)
                 if not self.sock.poll(100, zmq.POLLIN):
                     continue
                 try:
@@ -83,6 +90,16 @@ class Receiver(threading.Thread):
                     )
         finally:
             self.sock.close(0)
+
+    def _reset(self, guard: MemoryGuard) -> None:
+        """A fresh data socket: peers' unfinished messages grew the process past `guard`."""
+        log.warning(
+            "reset the data socket: the process outgrew its memory limit (a peer sending "
+            "an unfinished message?)",
+            limit=guard.limit,
+            resets=guard.resets,
+        )
+        self.sock = reset_router(self.sock, self.ctx, self.limits, self.keys, ("worker",))
 
     def _deliver(self, peer: str, env: Envelope) -> None:
         msg = env.msg

@@ -39,6 +39,7 @@ from common.zoo.custom import check_model_source
 __all__ = ["ModelFacts", "ProbeLimits", "probe_limits", "probe_model", "start_probe_server"]
 
 _MAX_REPLY = 1 << 16
+_MAX_ERROR = 4000
 _START_S = 180.0
 """Longest wait for the server's imports (torch on a loaded board takes a while)."""
 _MARGIN_S = 10.0
@@ -228,15 +229,15 @@ def _build(request: dict[str, Any]) -> dict[str, Any]:
             parameter_bytes=sum(p.numel() * p.element_size() for p in params),
         )
         return {"facts": asdict(facts)}
-    except ConfigError as exc:
-        return {"error": str(exc)}
+    except ConfigError as exc:  # it may quote what user code raised: keep the answer short
+        return {"error": str(exc)[:_MAX_ERROR]}
     except (MemoryError, RuntimeError) as exc:  # torch's failed allocation is a RuntimeError
         return {
             "error": f"model {name!r} cannot be built within the {memory >> 20} MiB a "
             f"check may use: {str(exc)[:300]}"
         }
     except (Exception, SystemExit, KeyboardInterrupt) as exc:  # report, never raise
-        return {"error": f"model {name!r} cannot be built: {exc!r}"[:2000]}
+        return {"error": f"model {name!r} cannot be built: {exc!r}"[:_MAX_ERROR]}
 
 
 def _child(request: dict[str, Any], out: int) -> None:

@@ -54,6 +54,11 @@ def slow():
     time.sleep(60)
 
 
+@model_factory
+def loud():
+    raise RuntimeError("x" * (1 << 20))
+
+
 def clear_cache():
     """A helper of the allowed module, not a factory: a job naming it must not run it."""
     CLEARED.write_text("cleared")
@@ -137,6 +142,13 @@ def test_a_build_past_its_deadline_is_stopped(modules):
         probe_model(spec, seed=0, allowed_modules=[name], limits=ProbeLimits(timeout_s=0.5))
     # the server that ran it still answers
     assert probe_model(ModelSpec(name="mlp", options={"depth": 0}), seed=0).layers == 1
+
+
+def test_what_user_code_raises_comes_back_cut_short(modules):
+    name, _ = write_lab(modules)
+    with pytest.raises(ConfigError, match=r"factory raised RuntimeError\('xxx") as info:
+        probe_model(ModelSpec(name=f"{name}:loud"), seed=0, allowed_modules=[name])
+    assert len(str(info.value)) <= 4000
 
 
 def test_a_helper_of_an_allowed_module_is_refused_and_never_called(modules):

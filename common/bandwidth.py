@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ import zmq
 from common.codec import Envelope, Limits, recv_message, send_message
 from common.curve import CurveKeys
 from common.errors import AsteroidError, ProtocolError
+from common.inbound import MemoryGuard
 from common.logging import get_logger
 from common.messages import (
     MAX_LINK_COUNT,
@@ -46,7 +48,7 @@ from common.messages import (
     LinkReady,
     Message,
 )
-from common.sockets import bind_router, connect_dealer, poll_in
+from common.sockets import bind_router, connect_dealer, poll_in, reset_router
 
 __all__ = [
     "MAX_COUNT",
@@ -110,6 +112,9 @@ class BandwidthSink(threading.Thread):
             max_dims=1,
         )
         self._sock, self.endpoint = bind_router(ctx, bind, self.limits, keys=keys, roles=roles)
+        self._rebind = partial(reset_router, ctx=ctx, limits=self.limits, keys=keys, roles=roles)
+        self.guard: MemoryGuard | None = None
+        """Set before `start` (a worker's own): the socket is reset when the process outgrows it."""
         self.stale_s = stale_s
         self.stop = threading.Event()
         self.bad_messages = 0
@@ -134,6 +139,9 @@ class BandwidthSink(threading.Thread):
         """Serve probes until stopped; never dies on a bad message."""
         try:
             while not self.stop.is_set():
+                if self.guard is not None and self.guard.exceeded():
+                    log.warning("reset the link sink: the process outgrew its memory limit")
+                    self._sock = self._rebind(self._sock)
                 if poll_in(self._sock, 0.1):
                     self._receive()
                 self._forget_stale()

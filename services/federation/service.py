@@ -35,10 +35,11 @@ from common.fl.data import DIGIT_CLASSES, TensorData, load_digits_split
 from common.fl.server import Federation, RoundEnd, StaleUpdate
 from common.fl.spec import FederationSpec
 from common.fl.wire import state_frame, state_from_frame
+from common.inbound import MemoryGuard
 from common.logging import get_logger
 from common.messages import Message
 from common.settings import FederationSettings
-from common.sockets import bind_router
+from common.sockets import bind_router, reset_router
 from common.store import Store
 from common.zoo import build_model
 
@@ -113,6 +114,9 @@ class FederationService:
             self.ctx.destroy(linger=0)
             raise
         self.keyed = keys is not None
+        self._keys = keys
+        self.guard = MemoryGuard.above_now(settings.inbound_margin)
+        """Resets the socket should a home's unfinished message outgrow the margin."""
         self.stopping = threading.Event()
         self.started = time.monotonic()
         self.told_done: set[int] = set()
@@ -153,6 +157,9 @@ class FederationService:
         )
         try:
             while not self.stopping.is_set():
+                if self.guard.exceeded():
+                    log.warning("reset the socket: the federation outgrew its memory limit")
+                    self.sock = reset_router(self.sock, self.ctx, self.limits, self._keys)
                 if self.sock.poll(100, zmq.POLLIN):
                     self._receive()
                 for end in self.federation.expire(time.monotonic()):

@@ -197,6 +197,7 @@ class Worker:
         self.receiver.guard = MemoryGuard.above_now(
             self.budget + self.settings.pool_max_bytes + self.settings.inbound_margin
         )
+        self.sink.guard = self.receiver.guard  # whichever socket grew, it is reset in turn
         self.receiver.start()
         self.sink.start()
         self.dispatcher.start()

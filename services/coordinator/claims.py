@@ -92,8 +92,9 @@ def claim_problem(hb: Heartbeat) -> str | None:
 def memory_cap(hb: Heartbeat) -> int:
     """The most training memory the planner may believe `hb`: its fingerprint's memory at most.
 
-    The wire's bound when the fingerprint says nothing: `claim_problem` keeps
-    such a device out of a plan already.
+    The wire's bound when the fingerprint says nothing (`claim_problem` keeps
+    such a device out of a plan already) or names no memory (a device that
+    cannot read its own, such as one without ``/proc/meminfo``).
     """
     f = facts(hb.fingerprint)
-    return MAX_DEVICE_MEMORY if f is None else f.memory_bytes + _ROUNDING
+    return MAX_DEVICE_MEMORY if f is None or not f.memory_bytes else f.memory_bytes + _ROUNDING

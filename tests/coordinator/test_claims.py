@@ -104,6 +104,8 @@ def test_the_planner_never_sees_more_memory_than_the_fingerprint_names():
     members = {DeviceId("w"): Member(DeviceId("w"), 0.0, liar)}
     cluster = cluster_for(members, {DeviceId("w"): "k"}, {"k": 0}, None, 1e6)
     assert cluster.devices[0].memory_bytes == memory_cap(liar)
+    unknown = beat(fingerprint="arm64-8c-4t-q2.5-0.0g-0123456789", memory_budget=2 * GiB)
+    assert memory_cap(unknown) == MAX_DEVICE_MEMORY  # a device that cannot read its memory
     honest = {DeviceId("w"): Member(DeviceId("w"), 0.0, beat())}
     kept = cluster_for(honest, {DeviceId("w"): "k"}, {"k": 0}, None, 1e6)
     assert kept.devices[0].memory_bytes == 2 * GiB

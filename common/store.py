@@ -297,9 +297,23 @@ class Store:
             )
         pipe.execute()
 
-    def set_fields(self, mapping: dict[str, Any], *parts: object) -> None:
-        """Set fields of a hash (values JSON-encoded)."""
-        self.r.hset(self.key(*parts), mapping={k: json.dumps(v) for k, v in mapping.items()})
+    def set_fields(
+        self, mapping: dict[str, Any], *parts: object, ttl_s: float | None = None
+    ) -> None:
+        """Set fields of a hash (values JSON-encoded); with `ttl_s`, the hash expires then.
+
+        A record about a peer (a device's last heartbeat) takes a TTL, renewed by
+        each write, so it cannot outlive whoever keeps it fresh: a coordinator that
+        exits, or a peer that only pretended to be a device.
+        """
+        key = self.key(*parts)
+        if ttl_s is None:
+            self.r.hset(key, mapping={k: json.dumps(v) for k, v in mapping.items()})
+            return
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(key, mapping={k: json.dumps(v) for k, v in mapping.items()})
+        pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+        pipe.execute()
 
     def get_fields(self, *parts: object) -> dict[str, Any]:
         """All fields of a hash, decoded."""

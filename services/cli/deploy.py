@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -25,6 +24,7 @@ from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
 from common.secrets import mask_text
 from common.version import VERSION
+from services.cli.console import CliConsole
 from services.deploy.apply import Deployment, operator_env, read_key_set
 from services.deploy.inventory import load_inventory
 
@@ -33,7 +33,7 @@ __all__ = ["app"]
 app = typer.Typer(
     help="Deploy the cluster to devices over ssh (docker on each).", no_args_is_help=True
 )
-console = Console(highlight=False, soft_wrap=True)
+console = CliConsole(highlight=False, soft_wrap=True)
 
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 DEFAULT_TAG = VERSION.replace("+", "-")

@@ -14,6 +14,7 @@ import typer
 from rich.table import Table
 
 from common.errors import ConfigError
+from services.cli.console import shown
 from services.cli.jobs import ClusterOpt, RedisOpt, console, open_store
 from services.cli.metrics import fail
 
@@ -34,12 +35,12 @@ def rounds_table(entries: list[dict[str, Any]], last: int) -> Table:
         group = e.get("group", "")
         table.add_row(
             f"{e.get('time_s', 0.0):.1f}",
-            str(e.get("version", "")),
+            shown(e.get("version", "")),
             f"{e.get('accuracy', -1.0):.3f}",
-            "probe" if "group" in e and group is None else "first" if group == -1 else str(group),
-            " ".join(map(str, e.get("members", []))),
-            " ".join(map(str, e.get("failed", []))),
-            _regroups(e),
+            "probe" if "group" in e and group is None else "first" if group == -1 else shown(group),
+            shown(" ".join(map(str, e.get("members", [])))),  # homes name themselves
+            shown(" ".join(map(str, e.get("failed", [])))),
+            shown(_regroups(e)),
         )
     return table
 

@@ -29,6 +29,7 @@ from common.secrets import mask_text
 from common.settings import CommonSettings
 from common.store import Store
 from services.cli.client import ask_coordinator
+from services.cli.console import shown
 from services.coordinator.checks import check_job
 
 __all__ = ["JobView", "follow", "load_checked", "submit_and_follow"]
@@ -74,7 +75,7 @@ def follow(
     )
     deadline = time.monotonic() + timeout_s
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("submitted", total=None, job=job_id)
+        task = bar.add_task("submitted", total=None, job=shown(job_id))
         while True:
             job = store.get_fields("job", job_id)
             new, after_m = store.read_after("metrics", job_id, after_m)
@@ -82,7 +83,7 @@ def follow(
             view.events += events
             for e in events:
                 if e.get("event") in ("profiling", "planning", "running"):
-                    console.log(f"{job_id}: {e['event']}" + _detail(e))
+                    console.log(shown(f"{job_id}: {e['event']}" + _detail(e)))
             view.rounds += [m for m in new if "loss" in m]
             view.evals += [m for m in new if "eval_accuracy" in m]
             total = job.get("total_rounds")
@@ -90,10 +91,12 @@ def follow(
                 task,
                 total=total,
                 completed=job.get("round", 0),
-                description=_describe(
-                    job,
-                    view.rounds[-1] if view.rounds else None,
-                    view.evals[-1] if view.evals else None,
+                description=shown(
+                    _describe(
+                        job,
+                        view.rounds[-1] if view.rounds else None,
+                        view.evals[-1] if view.evals else None,
+                    )
                 ),
             )
             view.state = job.get("state", "unknown")

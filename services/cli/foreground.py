@@ -18,7 +18,7 @@ from rich.console import Console
 
 from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
-from common.secrets import mask_text
+from services.cli.console import shown
 
 __all__ = ["STOP", "foreground"]
 
@@ -42,8 +42,8 @@ def foreground(console: Console, stopped: str) -> Iterator[None]:
         console.print(stopped)
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {mask_text(str(exc))}")
+        console.print(f"[red]error:[/red] {shown(exc)}")
         raise typer.Exit(int(ExitCode.CONFIG)) from exc
     except AsteroidError as exc:
-        console.print(f"[red]error:[/red] {mask_text(str(exc))}")
+        console.print(f"[red]error:[/red] {shown(exc)}")
         raise typer.Exit(int(ExitCode.JOB_FAILED)) from exc

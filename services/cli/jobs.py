@@ -14,22 +14,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
 from common.ids import DeviceId
-from common.secrets import mask_text
 from common.settings import CommonSettings
 from common.store import Store
+from services.cli.console import CliConsole, shown
 
 if TYPE_CHECKING:
     from services.cli.follow import JobView
 
 __all__ = ["cancel", "drain", "export", "status", "store_from", "train", "view_exit_code"]
 
-console = Console()
+console = CliConsole()
 
 CoordinatorOpt = Annotated[
     str | None,
@@ -86,7 +85,7 @@ def open_store(redis_url: str | None, cluster: str | None) -> Store:
 
 def _fail(exc: Exception, code: ExitCode = ExitCode.CONFIG) -> typer.Exit:
     """Print `exc` (credentials hidden) and the exit to raise."""
-    console.print(f"[red]error:[/red] {mask_text(str(exc))}")
+    console.print(f"[red]error:[/red] {shown(exc)}")  # a refusal quotes the coordinator
     return typer.Exit(int(code))
 
 
@@ -139,7 +138,8 @@ def train(
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
     finally:
         store.close()
-    console.print(f"job {job.job_id} {view.state}" + (f": {view.error}" if view.error else ""))
+    error = f": {shown(view.error)}" if view.error else ""
+    console.print(f"job {shown(job.job_id)} {shown(view.state)}{error}")
     raise typer.Exit(int(view_exit_code(view)))
 
 
@@ -184,7 +184,7 @@ def drain(
         raise _fail(exc) from exc
     if not reply.ok:
         raise _fail(ConfigError(reply.error))
-    console.print(f"device {device}: drain requested (job {reply.job_id})")
+    console.print(f"device {shown(device)}: drain requested (job {shown(reply.job_id)})")
 
 
 DEVICE_COLUMNS = (
@@ -218,16 +218,16 @@ def devices_table(store: Store) -> Table:
         rows.append((name, store.get_fields("device", name)))
     for name, d in sorted(rows, key=lambda r: -float(r[1].get("seen", 0))):
         budget = int(d.get("memory_budget", 0))
-        table.add_row(
-            name,
+        table.add_row(  # each field came from a peer's heartbeat
+            shown(name),
             _age(d.get("seen")),
-            str(d.get("state", "?")),
-            str(d.get("stage", "-")),
-            str(d.get("round", "-")),
+            shown(d.get("state", "?")),
+            shown(d.get("stage", "-")),
+            shown(d.get("round", "-")),
             f"{budget / (1 << 30):.2f} GiB" if budget else "-",
-            str(d.get("threads", "-")),
-            str(d.get("version") or "-"),
-            str(d.get("fingerprint", "")),
+            shown(d.get("threads", "-")),
+            shown(d.get("version") or "-"),
+            shown(d.get("fingerprint", "")),
         )
     return table
 
@@ -241,16 +241,16 @@ def jobs_table(store: Store, only: str | None = None) -> Table:
     for jid in ids if only is None else [only]:
         j = store.get_fields("job", jid)
         if not j:
-            table.add_row(jid, "unknown", "-", "-", "-", "-", "")
+            table.add_row(shown(jid), "unknown", "-", "-", "-", "-", "")
             continue
         table.add_row(
-            jid,
-            str(j.get("state")),
-            f"{j.get('round', 0)}/{j.get('total_rounds', '?')}",
+            shown(jid),
+            shown(j.get("state")),
+            shown(f"{j.get('round', 0)}/{j.get('total_rounds', '?')}"),
             f"{j['loss']:.4f}" if "loss" in j else "-",
             f"{j['eval_accuracy']:.1%}" if "eval_accuracy" in j else "-",
             f"{j['samples_per_s']:.0f}" if "samples_per_s" in j else "-",
-            mask_text(str(j.get("error", j.get("reason", ""))))[:60],
+            shown(str(j.get("error", j.get("reason", "")))[:60]),
         )
     return table
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
 from common.embedded_redis import EmbeddedRedis, default_state_dir
 from common.secrets import mask_url
+from services.cli.console import CliConsole, shown
 from services.cli.example_files import DEMO_JOB, example_path
 from services.cli.foreground import STOP, foreground
 from services.launcher import LocalStack
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["demo", "up"]
 
-console = Console()
+console = CliConsole()
 
 
 Workers = Annotated[int, typer.Option(min=1, max=16, help="Worker processes to start.")]
@@ -85,19 +85,19 @@ def up(
             _redis(redis_url, state_dir) as url,
             LocalStack(workers, logs, url, cluster, threads) as stack,
         ):
-            shown = mask_url(stack.redis_url)  # a --redis-url password stays off the screen
+            redis_shown = mask_url(stack.redis_url)  # a --redis-url password stays off the screen
             console.print(
-                f"cluster up: coordinator {stack.coordinator}, Redis {shown}, "
+                f"cluster up: coordinator {stack.coordinator}, Redis {redis_shown}, "
                 f"{workers} workers; logs in {logs}/\n"
                 f"submit with: ASTEROID_COORDINATOR={stack.coordinator} "
-                f"ASTEROID_REDIS_URL={shown} ASTEROID_CLUSTER={stack.cluster} "
+                f"ASTEROID_REDIS_URL={redis_shown} ASTEROID_CLUSTER={stack.cluster} "
                 "asteroid train JOB.yaml"
             )
             if spec is not None:
                 view = submit_and_follow(
                     stack.coordinator, stack.redis_url, stack.cluster, spec, console
                 )
-                console.print(f"job {spec.job_id} {view.state} {view.error}")
+                console.print(f"job {shown(spec.job_id)} {shown(view.state)} {shown(view.error)}")
                 raise typer.Exit(int(view_exit_code(view)))
             while not STOP.is_set():
                 stack.check()
@@ -143,7 +143,7 @@ def demo(
                 stack.coordinator, stack.redis_url, stack.cluster, spec, console, replace=True
             )
             if view.state != "finished":
-                console.print(f"[red]job {view.state}[/red]: {view.error}")
+                console.print(f"[red]job {shown(view.state)}[/red]: {shown(view.error)}")
                 raise typer.Exit(int(view_exit_code(view)))
             _report(Store(stack.redis_url, stack.cluster), spec, out)
     console.print(f"done in {time.monotonic() - t0:.0f} s; everything stopped")

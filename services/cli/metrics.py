@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Annotated, Any, cast
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from common.errors import AsteroidError, ConfigError, StoreError
@@ -22,6 +21,7 @@ from common.metrics_export import scalars
 from common.metrics_files import CsvLog, EventLog, csv_path, events_dir
 from common.secrets import mask_text
 from common.store import OUTAGE, Store
+from services.cli.console import CliConsole
 from services.cli.jobs import ClusterOpt, RedisOpt, store_from
 
 __all__ = ["FORMATS", "export_metrics", "parse_formats", "read_records"]
@@ -29,7 +29,7 @@ __all__ = ["FORMATS", "export_metrics", "parse_formats", "read_records"]
 FORMATS = ("csv", "tensorboard")
 """What `--format` may name."""
 
-console = Console()
+console = CliConsole()
 
 
 def fail(exc: Exception, code: ExitCode = ExitCode.CONFIG) -> typer.Exit:

@@ -13,23 +13,22 @@ from typing import Annotated
 import typer
 import yaml
 from pydantic import ValidationError
-from rich.console import Console
 from rich.table import Table
 
 from common.errors import ConfigError, PlanError, StoreError
 from common.exit_codes import ExitCode
 from common.plan import Plan
 from common.profile import ClusterSpec, Profile, load_profiles
-from common.secrets import mask_text
 from common.settings import CommonSettings
 from common.store import Store
+from services.cli.console import CliConsole, shown
 from services.planner.base import PLANNERS, check_memory, get_planner
 from services.planner.cost import CostModel
 from services.planner.simulator import SimResult, simulate
 
 __all__ = ["plan", "plan_table"]
 
-console = Console()
+console = CliConsole()
 GiB = 1 << 30
 
 
@@ -105,10 +104,10 @@ def plan(
         cost = CostModel(_profiles(profile or [], spec), spec)
         made = get_planner(planner).plan(cost, global_batch, microbatches)
     except (ConfigError, PlanError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {shown(exc)}")
         raise typer.Exit(ExitCode.CONFIG) from exc
     except StoreError as exc:
-        console.print(f"[red]error:[/red] {mask_text(str(exc))}")
+        console.print(f"[red]error:[/red] {shown(exc)}")
         raise typer.Exit(ExitCode.FAILED) from exc
     sim = simulate(made, cost)
     console.print(plan_table(made, sim, cost))

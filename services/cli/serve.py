@@ -17,17 +17,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
 from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
+from services.cli.console import CliConsole, shown
 
 if TYPE_CHECKING:
     from common.serving_messages import InferReply, ServeSpec
 
 __all__ = ["infer", "infer_request", "load_serve_spec", "serve"]
 
-console = Console()
+console = CliConsole()
 
 CoordinatorOpt = Annotated[
     str | None,
@@ -61,9 +61,7 @@ def infer_request(
 
 
 def _fail(exc: Exception, code: ExitCode = ExitCode.CONFIG) -> typer.Exit:
-    from common.secrets import mask_text
-
-    console.print(f"[red]error:[/red] {mask_text(str(exc))}")
+    console.print(f"[red]error:[/red] {shown(exc)}")  # a refusal quotes the coordinator
     return typer.Exit(int(code))
 
 
@@ -133,7 +131,8 @@ def infer(
     if reply.tokens:
         console.print(f"generated ids: {reply.tokens}")
         if prompt is not None and all(t < 256 for t in reply.tokens):
-            console.print(f"generated text: {bytes(reply.tokens).decode(errors='replace')!r}")
+            text = bytes(reply.tokens).decode(errors="replace")
+            console.print(f"generated text: {shown(repr(text))}")
     if reply.logits and show_logits:
         best = max(range(len(reply.logits)), key=reply.logits.__getitem__)
         head = ", ".join(f"{v:.4f}" for v in reply.logits[:show_logits])

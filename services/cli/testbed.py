@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 from rich.table import Table
 
 from common.errors import ConfigError
+from services.cli.console import CliConsole, shown
 from services.cli.foreground import STOP, foreground
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ app = typer.Typer(
     help="Emulated edge devices on this machine: namespaces, shaped links, cgroups (root).",
     no_args_is_help=True,
 )
-console = Console()
+console = CliConsole()
 MiB = 1 << 20
 
 
@@ -138,7 +138,9 @@ def up(
                 view = submit_and_follow(
                     tb.coordinator, tb.redis_url, tb.cluster, job_spec, console
                 )
-                console.print(f"job {job_spec.job_id} {view.state} {view.error}")
+                console.print(
+                    f"job {shown(job_spec.job_id)} {shown(view.state)} {shown(view.error)}"
+                )
                 raise typer.Exit(int(view_exit_code(view)))
             while not STOP.is_set():
                 tb.check()

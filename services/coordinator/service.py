@@ -113,6 +113,9 @@ MAX_ROUTES = 4_096
 and clients; a device heartbeats every second, so it is never the least recent."""
 DEVICE_WRITE_EVERY_S = 1.0
 """Least time between two Redis writes of one device's heartbeat state."""
+DEVICE_RECORD_GRACE_S = 10.0
+"""A device's Redis record outlives its last heartbeat write by the expiry time plus this:
+renewed while it heartbeats, gone soon after it (or the coordinator) stops."""
 CONTROL_ROLES = ("worker", "service", "operator")
 """Key roles the control socket admits; what each may send is `SENDER_ROLES`."""
 SENDER_ROLES = {
@@ -451,7 +454,10 @@ class Coordinator:
         if verdict is not Verdict.LIMITED:
             try:
                 self.store.set_fields(
-                    {**hb.model_dump(mode="json"), "seen": time.time()}, "device", hb.device
+                    {**hb.model_dump(mode="json"), "seen": time.time()},
+                    "device",
+                    hb.device,
+                    ttl_s=self.rules.expiry_s + DEVICE_RECORD_GRACE_S,  # gone with the sender
                 )
             except (*OUTAGE, REFUSED):  # the next heartbeat's write a second later catches up
                 self.heartbeat_counts["unrecorded"] += 1

@@ -44,6 +44,8 @@ MAX_PROMPT_TOKENS = 8192
 """Longest prompt a request may carry (also the longest position table a model may have)."""
 MAX_NEW_TOKENS = 1024
 """Most tokens one request may ask to generate."""
+MAX_WAIT_S = 3600.0
+"""Longest a request may ask to wait for its turn."""
 MAX_OUTPUT = 100_000
 """Most numbers an answer's output row may hold (GPT-2's 50,257-token vocabulary fits):
 the control plane carries no tensor frames, so the row travels in the header."""
@@ -137,6 +139,13 @@ class InferRequest(WireModel):
     ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
     new_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS)
     logits: bool = Field(True, description="Return the output row (see InferReply.logits).")
+    wait_s: float = Field(
+        MAX_WAIT_S,
+        gt=0,
+        le=MAX_WAIT_S,
+        description="Longest the requester waits for its turn: past it, the request is "
+        "answered with how long it waited instead of being run.",
+    )
 
 
 # --- coordinator -> operator -------------------------------------------------

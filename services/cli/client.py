@@ -55,7 +55,9 @@ def request(address: str, msg: Message, answer: type[Message], timeout_s: float 
         f"{keys.name}/{session}" if keys else f"cli-{session}",
         keys=keys,
         server_key=keys.server_key("coordinator", COORDINATOR) if keys else None,
+        monitor=zmq.EVENT_HANDSHAKE_SUCCEEDED,
     )
+    monitor = sock.get_monitor_socket()
     try:
         send_message(sock, msg, "cli")
         deadline = time.monotonic() + timeout_s
@@ -68,10 +70,18 @@ def request(address: str, msg: Message, answer: type[Message], timeout_s: float 
                 return env
             if isinstance(env.msg, JobReply) and not env.msg.ok:  # refused before any answer
                 raise RequestRefused(f"the coordinator refused the {msg.type}: {env.msg.error}")
+        if monitor.poll(0, zmq.POLLIN):  # it is there, only busy
+            raise CoordinatorUnreachable(
+                f"the coordinator at {address} took the {msg.type} but did not answer within "
+                f"{timeout_s:.0f} s: it is busy (requests wait their turn); wait longer "
+                "(--timeout) or try again later"
+            )
         raise CoordinatorUnreachable(
             f"no coordinator answered at {address} within {timeout_s:.0f} s "
             "(is asteroid-coordinator running there? see --coordinator)"
         )
     finally:
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close(0)
         ctx.term()

@@ -50,10 +50,12 @@ def infer_request(
     address: str, serve_id: str, ids: list[int], new_tokens: int = 0, timeout_s: float = 120.0
 ) -> InferReply:
     """Run one request on serving job `serve_id` and return the coordinator's answer."""
-    from common.serving_messages import InferReply, InferRequest
+    from common.serving_messages import MAX_WAIT_S, InferReply, InferRequest
     from services.cli.client import request
 
-    msg = InferRequest(serve_id=serve_id, ids=ids, new_tokens=new_tokens)
+    # the coordinator answers a request whose turn did not come in time, before we give up
+    wait_s = min(max(timeout_s * 0.8, 0.1), MAX_WAIT_S)
+    msg = InferRequest(serve_id=serve_id, ids=ids, new_tokens=new_tokens, wait_s=wait_s)
     reply = request(address, msg, InferReply, timeout_s).msg
     if not isinstance(reply, InferReply):  # request returns only the kind asked for
         raise AsteroidError(f"expected an infer_reply, got {reply.type}")

@@ -91,7 +91,7 @@ from services.coordinator.membership import (
     heard,
     on_probe_reply,
 )
-from services.coordinator.serving import MAX_QUEUED, PendingRequest, ServeRun
+from services.coordinator.serving import PendingRequest, ServeRun, infer_queue
 from services.coordinator.versions import forget_versions, note_version
 
 __all__ = ["Coordinator", "JobCancelled", "JobFailed", "JobSummary"]
@@ -224,7 +224,7 @@ class Coordinator:
         self.services: dict[str, float] = {}
         self.queue: deque[tuple[JobSpec | ServeSpec, int]] = deque()
         """Jobs waiting to run, training (with their rounds) and serving, in arrival order."""
-        self.infer_queue: deque[PendingRequest] = deque()
+        self.infer_queue = infer_queue()
         """Inference requests for the running serving job, waiting their turn."""
         self.running: str | None = None
         self.federated: str | None = None
@@ -934,16 +934,15 @@ class Coordinator:
 
     def _on_infer(self, peer: str, msg: InferRequest) -> None:
         """Queue a request for the running serving job; refuse it at once if it cannot wait."""
-        error = ""
+        req = PendingRequest(DeviceId(peer), msg, time.monotonic())
         if self.running != msg.serve_id:
             error = f"no serving job {msg.serve_id} is running here (running: {self.running})"
-        elif len(self.infer_queue) >= MAX_QUEUED:
-            error = f"{MAX_QUEUED} requests already wait for {msg.serve_id}; try again later"
-        if error:
-            reply = InferReply(serve_id=msg.serve_id, request=0, ok=False, error=error)
-            self.send(DeviceId(peer), reply)
+        elif (why := self.infer_queue.offer(req.owner, req)) is not None:
+            error = f"{why} (serving job {msg.serve_id})"
+        else:
             return
-        self.infer_queue.append(PendingRequest(DeviceId(peer), msg, time.monotonic()))
+        reply = InferReply(serve_id=msg.serve_id, request=0, ok=False, error=error)
+        self.send(DeviceId(peer), reply)
 
     def _on_cancel(self, peer: str, msg: CancelJob) -> None:
         jid = msg.job_id  # matched the job-id pattern when the message was decoded

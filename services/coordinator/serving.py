@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -46,6 +47,7 @@ from common.serving_messages import (
     ShardLoaded,
     TransformerShape,
 )
+from services.coordinator.fair_queue import FairQueue
 from services.coordinator.jobs import JobCancelled, JobFailed
 
 if TYPE_CHECKING:
@@ -63,6 +65,8 @@ REQUEST_TIMEOUT_S = 600.0
 """Longest one request may run on the devices."""
 MAX_QUEUED = 64
 """Requests that may wait while one runs; beyond, a request is refused at once."""
+MAX_QUEUED_PER_OWNER = 16
+"""Of those, what one requester (a key; a claimed name without keys) may hold."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,20 @@ class PendingRequest:
     peer: DeviceId
     msg: InferRequest
     arrived: float
+
+    @property
+    def owner(self) -> str:
+        """Who the request counts against: the key's name, whatever session it came on."""
+        return self.peer.partition("/")[0]
+
+    def expired(self, now: float) -> bool:
+        """Whether the requester has stopped waiting for it (its `wait_s` has passed)."""
+        return now - self.arrived > self.msg.wait_s
+
+
+def infer_queue() -> FairQueue[PendingRequest]:
+    """The queue of a coordinator's inference requests: fair between requesters."""
+    return FairQueue(per_owner=MAX_QUEUED_PER_OWNER, total=MAX_QUEUED)
 
 
 def refusal(config: TransformerConfig, msg: InferRequest) -> str | None:
@@ -232,9 +250,18 @@ class ServeRun:
         while True:
             self.coord.pump(0.2)
             self.coord.check_cancelled(self.spec.serve_id)
-            if not waiting:
+            now = time.monotonic()
+            for late in waiting.drop(partial(PendingRequest.expired, now=now)):
+                self._refuse(
+                    late,
+                    0,
+                    f"waited {now - late.arrived:.0f} s for its turn (its wait_s); requests of "
+                    f"{len(waiting)} others are served in turn: the serving job "
+                    f"{self.spec.serve_id} is busy, not gone; try again later",
+                )
+            req = waiting.take()
+            if req is None:
                 continue
-            req = waiting.popleft()
             why = refusal(config, req.msg)
             if why is None:
                 self._run_one(plan, req)
@@ -302,5 +329,5 @@ class ServeRun:
 
     def _refuse_waiting(self, error: str) -> None:
         waiting = self.coord.infer_queue
-        while waiting:
-            self._refuse(waiting.popleft(), 0, f"serving job {self.spec.serve_id} ended: {error}")
+        while (req := waiting.take()) is not None:
+            self._refuse(req, 0, f"serving job {self.spec.serve_id} ended: {error}")

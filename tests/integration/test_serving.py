@@ -10,17 +10,28 @@ seeded weights: encoder logits, decoder next-token logits and generated tokens.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
+import zmq
 
 from common.checkpoint import commit_checkpoint, save_stage
+from common.codec import Limits, recv_message, send_message
 from common.galaxy import model
 from common.job import JobSpec
 from common.messages import CancelJob
-from common.serving_messages import InferReply, ServeModel, ServeSpec, TransformerShape
+from common.serving_messages import (
+    InferReply,
+    InferRequest,
+    ServeModel,
+    ServeSpec,
+    TransformerShape,
+)
 from common.settings import CoordinatorSettings
+from common.sockets import connect_dealer
 from common.zoo import build_model
 from services.cli.client import ask_coordinator
 from services.cli.serve import infer_request
@@ -223,3 +234,59 @@ def test_a_model_the_devices_cannot_hold_fails_naming_what_it_needs(serving):
     assert "no split fits: the model's layers need" in fields["error"]
     events = serving.coord.store.r.xrange(serving.coord.store.key("events", "huge"))
     assert b"profiling" not in b" ".join(v for _, e in events for v in e.values())
+
+
+def _send_requests(addr: str, name: str, msgs: list[InferRequest]) -> list[InferReply]:
+    """Send `msgs` at once from one connection, as one greedy program would; their replies."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = connect_dealer(ctx, addr, name)
+    try:
+        for msg in msgs:
+            send_message(sock, msg, name)
+        replies: list[InferReply] = []
+        deadline = time.monotonic() + 120
+        while len(replies) < len(msgs) and time.monotonic() < deadline:
+            if sock.poll(100, zmq.POLLIN):
+                got = recv_message(sock, Limits())[1].msg
+                if isinstance(got, InferReply):
+                    replies.append(got)
+        return replies
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def test_a_greedy_requester_neither_starves_another_nor_waits_past_its_wait(serving):
+    """30 requests from one peer: 16 wait, the rest are refused; another peer is served next.
+
+    Requests that waited past their `wait_s` are answered saying so, not run.
+    """
+    spec = ServeSpec(serve_id="fair", model=DECODER, seed=3, mode="local", seq_len=12)
+    serving.start(spec)
+    ids = [5, 17, 3, 250, 9, 9, 1, 42, 7, 7, 100, 2]
+    slow = InferRequest(serve_id="fair", ids=ids, new_tokens=40)
+    greedy: list[InferReply] = []
+    sender = threading.Thread(
+        target=lambda: greedy.extend(_send_requests(serving.cluster.addr, "greedy", [slow] * 30))
+    )
+    sender.start()
+    deadline = time.monotonic() + 30
+    while len(serving.coord.infer_queue) < 12:  # greedy's requests wait; one runs
+        assert time.monotonic() < deadline, "greedy's requests never queued"
+        time.sleep(0.01)
+    polite = infer_request(serving.cluster.addr, "fair", ids, new_tokens=1)
+    sender.join(150)
+    assert polite.ok, polite.error
+    refused = [r for r in greedy if not r.ok]
+    # 16 wait (one of them may already run when the last arrive), the others are refused
+    assert len(greedy) == 30 and len(refused) in (13, 14), [r.error for r in refused]
+    assert all("16 requests of greedy already wait" in r.error for r in refused)
+    overtaken = [r.request for r in greedy if r.ok and r.request > polite.request]
+    assert len(overtaken) >= 8, (polite.request, overtaken)  # not behind all that waited
+
+    impatient = InferRequest(serve_id="fair", ids=ids, new_tokens=40, wait_s=0.2)
+    late = [r for r in _send_requests(serving.cluster.addr, "impatient", [impatient] * 8)]
+    waited = [r for r in late if not r.ok and "for its turn" in r.error]
+    assert len(late) == 8 and waited, [r.error for r in late]
+    assert all(r.ok for r in late if r not in waited)
+    serving.stop("fair")

@@ -14,6 +14,7 @@ __all__ = [
     "AsteroidError",
     "CheckpointError",
     "ConfigError",
+    "DataPathError",
     "NonFiniteError",
     "PeerDataError",
     "PlanError",
@@ -33,6 +34,26 @@ class AsteroidError(Exception):
 
 class ConfigError(AsteroidError):
     """A job spec, plan or setting is invalid."""
+
+
+class DataPathError(ConfigError):
+    """A job's dataset files cannot be used, said the same way whatever the reason.
+
+    `common.job_data.train_size` and `eval_size` check a submitted job's ``dataset.path`` on the
+    coordinator's disk; the submitter may be anyone with an operator key, and a
+    reason (no such folder, no training files, unreadable) would tell them which
+    paths exist there. So ``str()`` is one sentence and `detail` holds the reason,
+    for the coordinator's own log.
+    """
+
+    PUBLIC = (
+        "dataset.path: no readable dataset of this kind at that path on the coordinator "
+        "(its log says why)"
+    )
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(self.PUBLIC)
+        self.detail = detail
 
 
 class PlanError(ConfigError):

@@ -16,7 +16,7 @@ import torch
 
 from common.cifar10 import Cifar10Folder, Cifar10Images, check_model, find_folder
 from common.data import Dataset, dataset_for, split_indices
-from common.errors import ConfigError
+from common.errors import ConfigError, DataPathError
 from common.fl.data import DIGIT_CLASSES, TensorData, home_share, load_digits_split
 from common.job import Cifar10Data, DigitsData, JobSpec, SyntheticData
 from common.zoo import ZooModel
@@ -125,14 +125,14 @@ def train_size(job: JobSpec) -> int | None:
     is submitted, before any device is asked to load anything.
 
     Raises:
-        ConfigError: The dataset's files are missing or malformed.
+        DataPathError: The dataset's files are missing or malformed (a ConfigError).
 
     """
     spec = job.dataset
     if isinstance(spec, SyntheticData):
         return spec.train_size
     if isinstance(spec, Cifar10Data):
-        return _cifar10_folder(spec).train_records
+        return _checked_folder(spec).train_records
     if isinstance(spec, DigitsData):
         return len(_digits_share(spec)[1])
     raise ConfigError(f"dataset.kind {spec!r} is unknown")
@@ -144,18 +144,26 @@ def eval_size(job: JobSpec) -> int:
     Lets the coordinator size evaluation requests without loading the data.
 
     Raises:
-        ConfigError: The dataset's files are missing or malformed.
+        DataPathError: The dataset's files are missing or malformed (a ConfigError).
 
     """
     spec = job.dataset
     if isinstance(spec, SyntheticData):
         return spec.eval_size
     if isinstance(spec, Cifar10Data):
-        folder = _cifar10_folder(spec)
+        folder = _checked_folder(spec)
         return spec.eval_size or folder.test_records
     if isinstance(spec, DigitsData):
         return len(_digits_held_out(spec.split_seed))
     raise ConfigError(f"dataset.kind {spec!r} is unknown")
+
+
+def _checked_folder(spec: Cifar10Data) -> Cifar10Folder:
+    """`_cifar10_folder` for a check on the coordinator: any failure is a DataPathError."""
+    try:
+        return _cifar10_folder(spec)
+    except (ConfigError, OSError) as exc:  # OSError: a folder it may not even look into
+        raise DataPathError(str(exc)) from None
 
 
 def _cifar10_folder(spec: Cifar10Data) -> Cifar10Folder:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 import typer
 from rich.table import Table
 
-from common.errors import AsteroidError, ConfigError
+from common.errors import AsteroidError, ConfigError, DataPathError
 from common.exit_codes import ExitCode
 from common.ids import DeviceId
 from common.settings import CommonSettings
@@ -85,6 +85,8 @@ def open_store(redis_url: str | None, cluster: str | None) -> Store:
 
 def _fail(exc: Exception, code: ExitCode = ExitCode.CONFIG) -> typer.Exit:
     """Print `exc` (credentials hidden) and the exit to raise."""
+    if isinstance(exc, DataPathError):  # checked on this machine: the reason is the operator's
+        exc = ConfigError(exc.detail)
     console.print(f"[red]error:[/red] {shown(exc)}")  # a refusal quotes the coordinator
     return typer.Exit(int(code))
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from common.errors import ConfigError
+from common.errors import ConfigError, DataPathError
 from common.job import JobSpec
 from common.job_data import train_size
+from common.logging import get_logger
 from common.planner_names import PLANNER_NAMES
 from services.coordinator.model_probe import ProbeLimits, probe_model
 
@@ -21,6 +22,7 @@ __all__ = ["check_job"]
 
 
 _LIMITS = ProbeLimits()
+log = get_logger(__name__)
 
 
 def check_job(
@@ -41,7 +43,11 @@ def check_job(
         raise ConfigError(f"model: {exc}") from exc
     if job.planner not in PLANNER_NAMES:
         raise ConfigError(f"planner: {job.planner!r} is not one of {sorted(PLANNER_NAMES)}")
-    size = train_size(job)
+    try:
+        size = train_size(job)
+    except DataPathError as exc:  # the reason stays here: a submitter may be anyone
+        log.warning("refused a job's dataset path", job=job.job_id, reason=exc.detail)
+        raise
     try:
         return job.total_rounds(size)
     except ConfigError as exc:

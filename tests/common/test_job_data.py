@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import numpy as np
@@ -6,7 +7,7 @@ import torch
 
 from common.cifar10 import RECORD_BYTES, Cifar10Images
 from common.data import dataset_for, split_indices
-from common.errors import ConfigError
+from common.errors import ConfigError, DataPathError
 from common.job import Cifar10Data, JobSpec, SyntheticData
 from common.job_data import JobData, eval_size, open_data, train_size
 from common.zoo import InputSpec, ModelSpec, build_model
@@ -132,8 +133,9 @@ def test_cifar10_eval_size(tmp_path: Path) -> None:
     too_many = JobSpec(model=MLP, dataset=Cifar10Data(path=folder, eval_size=6))
     with pytest.raises(ConfigError, match=r"dataset\.eval_size: 6 exceeds the 5 records"):
         open_data(too_many, model)
-    with pytest.raises(ConfigError, match=r"dataset\.eval_size: 6 exceeds the 5 records"):
+    with pytest.raises(DataPathError) as caught:
         train_size(too_many)
+    assert "dataset.eval_size: 6 exceeds the 5 records" in caught.value.detail
 
 
 def test_cifar10_refuses_a_model_of_other_classes(tmp_path: Path) -> None:
@@ -149,14 +151,19 @@ def test_train_size() -> None:
     assert train_size(JobSpec(model=MLP, dataset=SyntheticData(train_size=40))) == 40
 
 
-def test_train_size_reports_a_bad_folder(tmp_path: Path) -> None:
+def test_train_size_reports_a_bad_folder_in_its_detail_only(tmp_path: Path) -> None:
     job = JobSpec(model=MLP, dataset=Cifar10Data(path=tmp_path / "absent"))
-    with pytest.raises(ConfigError, match=r"dataset\.path: folder .* does not exist"):
+    with pytest.raises(DataPathError) as absent:
         train_size(job)
+    assert re.fullmatch(r"dataset\.path: folder .* does not exist", absent.value.detail)
     folder = write_cifar(tmp_path, train=[2], test=1)
     (folder / "data_batch_1.bin").write_bytes(b"\0" * 100)
-    with pytest.raises(ConfigError, match=r"data_batch_1\.bin has 100 bytes"):
+    with pytest.raises(DataPathError) as malformed:
         train_size(JobSpec(model=MLP, dataset=Cifar10Data(path=folder)))
+    assert "data_batch_1.bin has 100 bytes" in malformed.value.detail
+    # what a submitter is told does not say which of the two it was
+    assert str(absent.value) == str(malformed.value) == DataPathError.PUBLIC
+    assert isinstance(absent.value, ConfigError)
 
 
 def test_eval_size(tmp_path: Path) -> None:
@@ -165,5 +172,6 @@ def test_eval_size(tmp_path: Path) -> None:
     assert eval_size(JobSpec(model=MLP, dataset=Cifar10Data(path=folder))) == 5
     assert eval_size(JobSpec(model=MLP, dataset=Cifar10Data(path=folder, eval_size=2))) == 2
     (folder / "test_batch.bin").unlink()
-    with pytest.raises(ConfigError, match=r"has no test_batch\.bin"):
+    with pytest.raises(DataPathError) as caught:
         eval_size(JobSpec(model=MLP, dataset=Cifar10Data(path=folder, eval_size=2)))
+    assert "has no test_batch.bin" in caught.value.detail

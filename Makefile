@@ -53,11 +53,12 @@ fmt:  ## format and autofix
 typecheck:  ## mypy strict on common/ and services/
 	$(BIN)/mypy
 
-bench:  ## benchmarks: transport (+CURVE), planner speed, simulated planners, heartbeat flood; tables and plots in bench-results/
+bench:  ## benchmarks: transport (+CURVE), planner speed, simulated planners, heartbeat flood, inbound floods; tables and plots in bench-results/
 	$(BIN)/python -m tests.bench.bench_transport --out bench-results/transport
 	$(BIN)/python -m tests.bench.bench_planner
 	$(BIN)/python -m tests.bench.bench_simulation --out bench-results/simulation
 	$(BIN)/python -m tests.bench.bench_flood --out bench-results/flood
+	$(BIN)/python -m tests.bench.bench_inbound --out bench-results/inbound
 
 bench-edge:  ## real training on the emulated edge testbed (root): planners side by side
 	$(BIN)/python -m tests.bench.bench_edge --out bench-results/edge --memory-case

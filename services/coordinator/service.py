@@ -362,8 +362,8 @@ class Coordinator:
                 self._refuse_request(exc)
                 continue
             self._remember_route(peer, env.route)
-            claimed = getattr(env.msg, "device", peer)
-            if claimed != peer or "/" in claimed:
+            claimed = getattr(env.msg, "device", None)
+            if claimed is not None and (claimed != peer or "/" in claimed):
                 # NAME/SESSION is one of key NAME's connections, never a device of its own
                 self.bad_messages += 1
                 log.warning(

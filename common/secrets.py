@@ -51,20 +51,30 @@ _SECRET_WORD = (
 )
 _SECRET_KEY = re.compile(_SECRET_WORD, re.IGNORECASE)
 _SCHEME = r"\b[A-Za-z][A-Za-z0-9+.-]*://"
+_MAX_QUOTED = 512
+"""Longest quoted URL or value read as one (a password file holds at most 512 bytes); a
+longer one is masked as bare text instead. The bound keeps masking a text full of unclosed
+quotes linear in its length (a log line may quote a peer)."""
 
 # A URL inside quotes ('redis://...', "redis://...", as repr() and JSON write it) runs to
 # the closing quote, escapes included, so a quote or a space in its password stays inside.
+# It stops short of the next quoted URL, escaped or not: a text full of unclosed ones then
+# costs a few steps per start, not a scan to the end.
+_QUOTED_START = rf"['\"]{_SCHEME}"
 _QUOTED_URL = re.compile(
-    rf"(?P<q>['\"])(?P<url>{_SCHEME}(?:\\.|(?!(?P=q))[^\n])*)(?P=q)", re.IGNORECASE
+    rf"(?P<q>['\"])(?P<url>{_SCHEME}(?:(?!{_QUOTED_START})"
+    rf"(?:\\(?!{_QUOTED_START})[^\n]|(?!(?P=q))[^\\\n])){{0,{_MAX_QUOTED}}})(?P=q)",
+    re.IGNORECASE,
 )
 # A bare URL runs to the next whitespace.
 _BARE_URL = re.compile(rf"{_SCHEME}\S*", re.IGNORECASE)
 _URL_START = re.compile(rf"\s*(?P<scheme>{_SCHEME})", re.IGNORECASE)
 # ?password=x&db=0: the value runs to the next parameter ("&"), whatever it holds.
 _QUERY_SECRET = re.compile(rf"(?P<key>(?:{_SECRET_WORD})=)[^&]*", re.IGNORECASE)
-# A quoted value, escapes included; whatever is glued to its closing quote (the tail of
-# a value quoted twice, repr of a repr) is hidden with it.
-_QUOTED_VALUE = r"b?(?P<vq>['\"])(?:\\.|(?!(?P=vq)).)*(?P=vq)[^\s,}\]]*"
+# A quoted value, escapes included (a backslash only ever starts an escape, so a value left
+# open costs linear time, not exponential); whatever is glued to its closing quote (the
+# tail of a value quoted twice, repr of a repr) is hidden with it.
+_QUOTED_VALUE = rf"b?(?P<vq>['\"])(?:\\.|(?!(?P=vq))[^\\\n]){{0,{_MAX_QUOTED}}}(?P=vq)[^\s,}}\]]*"
 # 'password': 'x', "token": "x", 'password': b'x' (Python and JSON mappings)
 _QUOTED_ITEM = re.compile(
     rf"(?P<key>(?P<q>['\"])(?:{_SECRET_WORD})(?P=q)\s*:\s*)"

@@ -132,6 +132,19 @@ def test_quoted_urls_kwargs_and_assignments_lose_the_password(password: str, enc
         assert mask(kwargs)["password"] == MASK
 
 
+@pytest.mark.parametrize(
+    "unit", ["\\x", "'redis://\\", '"redis://a\\', "'password': '\\", "password='\\"]
+)
+def test_unclosed_quotes_and_escapes_are_masked_without_backtracking_forever(unit: str) -> None:
+    # once exponential in the escapes of an unclosed quoted value (a peer's text in a log
+    # line could hang the service): it must simply finish, within pytest's global timeout
+    text = f"'password': '{unit * 20_000} redis://u:pw@h/0"
+    with nothing_remembered():
+        masked = mask_text(text)
+    assert masked.endswith(f" redis://u:{MASK}@h/0")
+    assert masked.startswith(f"'password': '{MASK}'")
+
+
 # --- remembered passwords: hidden even in free text -----------------------------------
 
 

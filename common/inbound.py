@@ -54,7 +54,7 @@ class MemoryGuard:
     """
 
     limit: int
-    every_s: float = 0.2
+    every_s: float = 0.1
     resets: int = 0
     """Times `exceeded` said yes (each is a socket reset by its caller)."""
     _next: float = field(default=0.0, repr=False)
@@ -74,6 +74,6 @@ class MemoryGuard:
         return True
 
     @classmethod
-    def above_now(cls, margin: int, every_s: float = 0.2) -> MemoryGuard:
+    def above_now(cls, margin: int, every_s: float = 0.1) -> MemoryGuard:
         """A guard for a process that may grow `margin` bytes beyond its size now."""
         return cls(limit=rss_bytes() + margin, every_s=every_s)

@@ -41,11 +41,18 @@ OUTAGE = (redis.ConnectionError, redis.TimeoutError)
 Other Redis errors (a wrong type, a refused command) are bugs or misconfiguration
 and are raised at once.
 """
-REFUSED = redis.ResponseError
+REFUSED = (
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.NoPermissionError,
+    redis.exceptions.ExecAbortError,
+)
 """What Redis answers when it is there but will not do a command: full (OutOfMemoryError
-under `maxmemory-policy noeviction`), a read-only replica (ReadOnlyError), an ACL denial.
+under `maxmemory-policy noeviction`), a read-only replica (ReadOnlyError), an ACL denial,
+a transaction it refused to queue (ExecAbortError).
 
-Waiting does not help, so `Store.ride_out` turns it into StoreRefused at once.
+Waiting does not help, so `Store.ride_out` turns it into StoreRefused at once; any other
+answer (a wrong type) is a bug, raised as it is.
 """
 
 CHUNK_BYTES = 4 << 20

@@ -61,7 +61,6 @@ from common.sockets import bind_router, reset_router
 from common.store import OUTAGE, REFUSED, Store
 from common.version import VERSION
 from services.coordinator.checks import check_job
-from services.coordinator.model_probe import probe_limits
 from services.coordinator.core import (
     Beats,
     Complete,
@@ -91,6 +90,7 @@ from services.coordinator.membership import (
     heard,
     on_probe_reply,
 )
+from services.coordinator.model_probe import probe_limits
 from services.coordinator.serving import PendingRequest, ServeRun, infer_queue
 from services.coordinator.versions import forget_versions, note_version
 
@@ -291,7 +291,7 @@ class Coordinator:
             what, op = self.unwritten[0]
             try:
                 op()
-            except (*OUTAGE, REFUSED):
+            except (*OUTAGE, *REFUSED):
                 return
             self.unwritten.popleft()
             log.info("wrote what Redis missed", write=what)
@@ -459,7 +459,7 @@ class Coordinator:
                     hb.device,
                     ttl_s=self.rules.expiry_s + DEVICE_RECORD_GRACE_S,  # gone with the sender
                 )
-            except (*OUTAGE, REFUSED):  # the next heartbeat's write a second later catches up
+            except (*OUTAGE, *REFUSED):  # the next heartbeat's write a second later catches up
                 self.heartbeat_counts["unrecorded"] += 1
 
     def _probe_reply(self, msg: ProbeReply) -> None:

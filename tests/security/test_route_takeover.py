@@ -65,6 +65,17 @@ def ctx() -> Iterator[zmq.Context[Any]]:
     context.term()
 
 
+@pytest.fixture
+def coord(keydir: Path, redis_url: str, cluster_name: str) -> Iterator[Coordinator]:
+    """A coordinator with CURVE on loopback, pumped by the test itself."""
+    settings = CoordinatorSettings(
+        bind="tcp://127.0.0.1:0", redis_url=redis_url, cluster=cluster_name, keys=keydir
+    )
+    coordinator = Coordinator(settings)
+    yield coordinator
+    coordinator.close()
+
+
 def _raw_dealer(
     ctx: zmq.Context[Any], addr: str, identity: bytes, keys: CurveKeys, server: bytes
 ) -> zmq.Socket[Any]:
@@ -99,61 +110,47 @@ def _beat(device: str) -> list[Any]:
 
 @pytest.mark.parametrize("role", ["operator", "worker"])
 def test_another_key_cannot_take_a_workers_control_route(
-    ctx: zmq.Context[Any], keydir: Path, redis_url: str, cluster_name: str, role: str
+    ctx: zmq.Context[Any], keydir: Path, coord: Coordinator, role: str
 ) -> None:
     """Alice (operator) or worker e connect as b: the coordinator's commands still reach b."""
-    settings = CoordinatorSettings(
-        bind="tcp://127.0.0.1:0", redis_url=redis_url, cluster=cluster_name, keys=keydir
-    )
-    coord = Coordinator(settings)
     server = CurveKeys.load(keydir, "coordinator").public
     thief_keys = CurveKeys.load(keydir, role, "alice" if role == "operator" else "e")
-    try:
-        b = connect_dealer(
-            ctx, coord.endpoint, "b", keys=CurveKeys.load(keydir, "worker", "b"), server_key=server
-        )
-        b.send_multipart(_beat("b"))
-        _until(lambda: coord.pump(0.05), lambda: "b" in coord.members, "b to join")
-        thieves = [_raw_dealer(ctx, coord.endpoint, i, thief_keys, server) for i in STOLEN]
-        for thief in thieves:
-            thief.send_multipart(_beat("b"))
-        bad = coord.bad_messages
-        _until(lambda: coord.pump(0.05), lambda: coord.bad_messages >= bad + 3, "refusals")
-        coord.send(DeviceId("b"), Probe(nonce=7))
-        coord.send(DeviceId("b"), Shutdown(reason="test"))
-        assert _next(b, WAIT_S) == Probe(nonce=7)
-        assert _next(b, WAIT_S) == Shutdown(reason="test")
-        assert all(_next(t, 0.3) is None for t in thieves)  # nothing meant for b went astray
-    finally:
-        coord.close()
+    b = connect_dealer(
+        ctx, coord.endpoint, "b", keys=CurveKeys.load(keydir, "worker", "b"), server_key=server
+    )
+    b.send_multipart(_beat("b"))
+    _until(lambda: coord.pump(0.05), lambda: "b" in coord.members, "b to join")
+    thieves = [_raw_dealer(ctx, coord.endpoint, i, thief_keys, server) for i in STOLEN]
+    for thief in thieves:
+        thief.send_multipart(_beat("b"))
+    bad = coord.bad_messages
+    _until(lambda: coord.pump(0.05), lambda: coord.bad_messages >= bad + 3, "refusals")
+    coord.send(DeviceId("b"), Probe(nonce=7))
+    coord.send(DeviceId("b"), Shutdown(reason="test"))
+    assert _next(b, WAIT_S) == Probe(nonce=7)
+    assert _next(b, WAIT_S) == Shutdown(reason="test")
+    assert all(_next(t, 0.3) is None for t in thieves)  # nothing meant for b went astray
 
 
 def test_one_worker_key_is_one_device(
-    ctx: zmq.Context[Any], keydir: Path, redis_url: str, cluster_name: str
+    ctx: zmq.Context[Any], keydir: Path, coord: Coordinator
 ) -> None:
     """Worker key e heartbeating as e/0 ... e/49 registers no device; as e it is one."""
-    settings = CoordinatorSettings(
-        bind="tcp://127.0.0.1:0", redis_url=redis_url, cluster=cluster_name, keys=keydir
-    )
-    coord = Coordinator(settings)
     server = CurveKeys.load(keydir, "coordinator").public
     keys = CurveKeys.load(keydir, "worker", "e")
-    try:
-        socks = [
-            connect_dealer(ctx, coord.endpoint, f"e/{i}", keys=keys, server_key=server)
-            for i in range(50)
-        ]
-        for i, sock in enumerate(socks):
-            sock.send_multipart(_beat(f"e/{i}"))
-        _until(lambda: coord.pump(0.05), lambda: coord.bad_messages >= 50, "50 refusals")
-        assert not coord.members
-        socks[0].send_multipart(_beat("e"))  # a session of key e speaking for device e
-        e = connect_dealer(ctx, coord.endpoint, "e", keys=keys, server_key=server)
-        e.send_multipart(_beat("e"))
-        _until(lambda: coord.pump(0.05), lambda: "e" in coord.members, "e to join")
-        assert set(coord.members) == {"e"}
-    finally:
-        coord.close()
+    socks = [
+        connect_dealer(ctx, coord.endpoint, f"e/{i}", keys=keys, server_key=server)
+        for i in range(50)
+    ]
+    for i, sock in enumerate(socks):
+        sock.send_multipart(_beat(f"e/{i}"))
+    _until(lambda: coord.pump(0.05), lambda: coord.bad_messages >= 50, "50 refusals")
+    assert not coord.members
+    socks[0].send_multipart(_beat("e"))  # a session of key e speaking for device e
+    e = connect_dealer(ctx, coord.endpoint, "e", keys=keys, server_key=server)
+    e.send_multipart(_beat("e"))
+    _until(lambda: coord.pump(0.05), lambda: "e" in coord.members, "e to join")
+    assert set(coord.members) == {"e"}
 
 
 def test_another_key_cannot_cut_a_data_link(ctx: zmq.Context[Any], keydir: Path) -> None:
@@ -195,26 +192,19 @@ def test_another_key_cannot_cut_a_data_link(ctx: zmq.Context[Any], keydir: Path)
 
 
 def test_a_reconnecting_peer_takes_back_its_own_route(
-    ctx: zmq.Context[Any], keydir: Path, redis_url: str, cluster_name: str
+    ctx: zmq.Context[Any], keydir: Path, coord: Coordinator
 ) -> None:
     """A restarted worker (a new connection, a new nonce) is reachable at once."""
-    settings = CoordinatorSettings(
-        bind="tcp://127.0.0.1:0", redis_url=redis_url, cluster=cluster_name, keys=keydir
-    )
-    coord = Coordinator(settings)
     server = CurveKeys.load(keydir, "coordinator").public
     keys = CurveKeys.load(keydir, "worker", "b")
-    try:
-        old = connect_dealer(ctx, coord.endpoint, "b", keys=keys, server_key=server)
-        old.send_multipart(_beat("b"))
-        _until(lambda: coord.pump(0.05), lambda: "b" in coord.members, "b to join")
-        old.close(0)
-        new = connect_dealer(ctx, coord.endpoint, "b", keys=keys, server_key=server)
-        new.send_multipart(_beat("b"))
-        route = coord.routes["b"]
-        _until(lambda: coord.pump(0.05), lambda: coord.routes["b"] != route, "the new route")
-        nonce = secrets.randbelow(1 << 30) + 1
-        coord.send(DeviceId("b"), Probe(nonce=nonce))
-        assert _next(new, WAIT_S) == Probe(nonce=nonce)
-    finally:
-        coord.close()
+    old = connect_dealer(ctx, coord.endpoint, "b", keys=keys, server_key=server)
+    old.send_multipart(_beat("b"))
+    _until(lambda: coord.pump(0.05), lambda: "b" in coord.members, "b to join")
+    old.close(0)
+    new = connect_dealer(ctx, coord.endpoint, "b", keys=keys, server_key=server)
+    new.send_multipart(_beat("b"))
+    route = coord.routes["b"]
+    _until(lambda: coord.pump(0.05), lambda: coord.routes["b"] != route, "the new route")
+    nonce = secrets.randbelow(1 << 30) + 1
+    coord.send(DeviceId("b"), Probe(nonce=nonce))
+    assert _next(new, WAIT_S) == Probe(nonce=nonce)

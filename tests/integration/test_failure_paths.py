@@ -115,7 +115,10 @@ def test_join_timeout_and_min_workers_shortfall_name_who_is_missing(cluster, sto
     job = _job("few", global_batch=8, min_workers=2)
     _coordinator(cluster, "coord-planned", job)
     error = _failed(cluster, store, "coord-planned", "few")
-    assert error == "min_workers: 2 workers wanted, 1 joined within 2 s (['a'])"
+    assert (
+        error
+        == "min_workers: 2 workers wanted, 1 joined and vetted within 2 s (['a']; left out: none)"
+    )
 
 
 def test_a_round_that_never_ends_fails_at_the_round_timeout(cluster, store):

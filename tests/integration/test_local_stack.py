@@ -31,6 +31,7 @@ from services.cli.report import job_report, stage_table, summary_table
 from services.launcher import LocalStack
 from tests.cluster import Budget
 from tests.common.test_cifar10 import make_records, write
+from tests.security.attacker import Attacker
 
 pytestmark = pytest.mark.integration
 
@@ -175,9 +176,13 @@ def test_cancel_stops_at_a_round_boundary_and_the_coordinator_goes_on(
     assert not again.ok and "not queued or running (cancelled)" in again.error
 
     # a spec the CLI would refuse, sent straight to the coordinator: refused, nothing runs
-    bad = JobSpec.model_validate({**JOB, "job_id": "bad", "model": {"name": "no_such_net"}})
-    reply = ask_coordinator(stack.coordinator, SubmitJob(job=bad), budget.left(15))
-    assert not reply.ok and reply.error.startswith("model:")
+    bad = JobSpec.model_validate({**JOB, "job_id": "bad"})
+    sender = Attacker(stack.coordinator)
+    try:
+        reply = sender.ask(SubmitJob(job=bad), budget.left(15), job__model__name="no_such_net")
+    finally:
+        sender.close()
+    assert not reply.ok and "unknown model name 'no_such_net'" in reply.error, reply.error
     assert store.get_fields("job", "bad") == {}
 
     # the coordinator goes on: one epoch of a (tiny) CIFAR-10 folder in its binary format

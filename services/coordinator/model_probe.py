@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
@@ -90,7 +91,10 @@ class _Server:
 
     def __init__(self) -> None:
         cmd = [sys.executable, "-m", __name__]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # run from where this package is installed: `-m` puts the working folder first on
+        # the path, where a folder of the user's own named `services` would shadow ours
+        home = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=home)
         if self.proc.stdin is None or self.proc.stdout is None:  # never with PIPE
             raise ConfigError("the model check process has no pipes")
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout

@@ -232,11 +232,11 @@ def recv_message(
 ) -> tuple[str, Envelope]:
     """Receive one whole message (the caller has polled): (peer, envelope).
 
-    `peer` is the ZeroMQ routing identity on a ROUTER socket, else the claimed
-    sender. On a ROUTER, `peer` is the routing identity without its nonce
-    (`peer_of_route`) and the envelope's `route` the whole identity. Raises
-    ProtocolError naming the peer; the rest of a bad message is always drained
-    so the next receive starts on a message boundary.
+    On a ROUTER socket `peer` is the routing identity without its nonce
+    (`peer_of_route`) and the envelope's `route` the whole identity; elsewhere
+    `peer` is the claimed sender. Raises ProtocolError naming the peer; the rest
+    of a bad message is always drained so the next receive starts on a message
+    boundary.
     """
     route = sock.recv() if routed else b""
     peer = route.decode(errors="replace") if routed else "?"

@@ -3,10 +3,10 @@
 The receiver fills the task pool; the dispatcher sends results, so that
 communication overlaps compute.
 
-The receiver hands the pool the identity the transport reports for the peer
-(today the DEALER's routing identity, which the peer claims; with an
-authenticated transport, the authenticated name), and the pool takes a part
-only from the device the plan names for it.
+The receiver hands the pool the peer's routing identity without its nonce
+(`common.codec.peer_of_route`; under CURVE the codec has checked its name
+against the sender's key), and the pool takes a part only from the device the
+plan names for it.
 
 Each thread owns its sockets (ZeroMQ sockets are not thread-safe). A bad frame
 is logged with the peer that sent it and dropped; the receiver keeps running.

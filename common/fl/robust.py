@@ -177,15 +177,7 @@ def trimmed_mean(states: Sequence[Mapping[str, Tensor]], trim: float) -> dict[st
         raise ConfigError("trimmed_mean needs at least one state, got none")
     if not 0.0 <= trim < 0.5:
         raise ConfigError(f"trim must be in [0, 0.5), got {trim}")
-    cut = math.floor(trim * len(states))
-    out: dict[str, Tensor] = {}
-    for key, value in states[0].items():
-        if not value.is_floating_point():
-            out[key] = value.clone()
-            continue
-        ranked = _stack(states, key).sort(dim=0).values
-        out[key] = ranked[cut : len(states) - cut].mean(dim=0).to(value.dtype)
-    return out
+    return _middle_mean(states, math.floor(trim * len(states)))
 
 
 def coordinate_median(states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
@@ -197,15 +189,22 @@ def coordinate_median(states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tenso
     """
     if not states:
         raise ConfigError("coordinate_median needs at least one state, got none")
-    n = len(states)
+    # the middle one of an odd count, the middle two of an even one
+    return _middle_mean(states, (len(states) - 1) // 2)
+
+
+def _middle_mean(states: Sequence[Mapping[str, Tensor]], cut: int) -> dict[str, Tensor]:
+    """Per coordinate, the mean of the values left after the `cut` lowest and highest.
+
+    Integer tensors are the first state's, as in `fedavg`.
+    """
     out: dict[str, Tensor] = {}
     for key, value in states[0].items():
         if not value.is_floating_point():
             out[key] = value.clone()
             continue
         ranked = _stack(states, key).sort(dim=0).values
-        middle = (ranked[(n - 1) // 2] + ranked[n // 2]) / 2
-        out[key] = middle.to(value.dtype)
+        out[key] = ranked[cut : len(states) - cut].mean(dim=0).to(value.dtype)
     return out
 
 

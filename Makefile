@@ -15,7 +15,7 @@ $(BIN)/python:
 install: $(BIN)/python  ## virtual environment with torch (CPU build) and the project
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[all,dev]'
 	# Flower, for the FedAvg cross-check (tests/fl/test_flower.py): its release pins typer
 	# below 0.21, for its own CLI only, while we need typer >= 0.29; so it comes without
 	# its declared dependencies, plus the four its server and client modules import.

@@ -23,6 +23,7 @@ __all__ = [
     "LOG_LEVELS",
     "POOL_MAX_BYTES",
     "REDIS_OUTAGE_S",
+    "AcceleratorChoice",
     "CommonSettings",
     "CoordinatorSettings",
     "FederationSettings",
@@ -37,6 +38,12 @@ REDIS_OUTAGE_S = 120.0
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 """The levels `--log-level` takes, least severe first."""
+AcceleratorChoice = Literal["auto", "cpu", "cuda"]
+"""What a worker or profiler computes on (`common.accelerator` resolves it)."""
+_ACCELERATOR_HELP = (
+    "Processor the stage computes on: auto (a CUDA GPU when torch sees one, else the CPU), "
+    "cpu, or cuda (an error without a GPU). Must match between a device's profiler and worker."
+)
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _ZMQ_ADDRESS = re.compile(r"^(tcp://\S+:([0-9]{1,5}|\*)|ipc://\S+)$")
 
@@ -204,6 +211,7 @@ class WorkerSettings(CommonSettings):
     threads: int = Field(
         0, ge=0, description="Torch threads (0: cores divided by workers_per_host)."
     )
+    accelerator: AcceleratorChoice = Field("auto", description=_ACCELERATOR_HELP)
     workers_per_host: int = Field(
         1, ge=1, description="Workers sharing this machine, for the default thread count."
     )
@@ -429,6 +437,7 @@ class ProfilerSettings(CommonSettings):
         "free memory).",
     )
     threads: int = Field(0, ge=0, description="Torch threads (0: the cores this process may use).")
+    accelerator: AcceleratorChoice = Field("auto", description=_ACCELERATOR_HELP)
     refresh: bool = Field(False, description="Measure again even if Redis holds a profile.")
     optimizer: Literal["sgd", "adam", "adamw"] = Field(
         "sgd", description="Optimizer whose state is counted."

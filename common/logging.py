@@ -68,6 +68,16 @@ def bind_global(**values: Any) -> None:
     _GLOBAL.update(values)
 
 
+# the names a level setting may take (logging.getLevelNamesMapping is Python 3.11 and up)
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+
 def configure_logging(level: str = "info", fmt: str = "auto", **bound: Any) -> None:
     """Configure structlog for this process (stderr) and bind context for all lines."""
     use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
@@ -86,9 +96,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", **bound: Any) -> N
             mask_secrets,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level.lower()]),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )

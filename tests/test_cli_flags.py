@@ -8,7 +8,6 @@ subprocess tests run the installed commands (and `python -m services.cli`, the
 import importlib
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from common.exit_codes import ExitCode
 from common.settings import CommonSettings, CoordinatorSettings, ProfilerSettings, WorkerSettings
 from common.version import VERSION
 from services.cli import main as asteroid_main
+from tests.pyproject import pyproject
 
 ROOT = Path(__file__).resolve().parent.parent
 MAINS = {
@@ -114,7 +114,7 @@ def test_good_values_parse(cls, args, field, value):
 
 
 def test_the_service_table_matches_the_installed_commands():
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    scripts = pyproject()["project"]["scripts"]
     for service, script in SERVICE_SCRIPTS.items():
         assert scripts[script].startswith(MAINS[service] + ":"), script
     assert scripts["asteroid"] == "services.cli:main"

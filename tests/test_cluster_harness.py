@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-import tomllib
-from pathlib import Path
 
 import pytest
 
 from tests import cluster as harness
 from tests.cluster import CLEANUP_MARGIN_S, GLOBAL_TIMEOUT_S, Budget, LocalCluster
+from tests.pyproject import pyproject
 
 STUBBORN = (
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -84,8 +83,7 @@ def _wait_printed(local: LocalCluster, name: str, text: str) -> None:
 
 
 def test_default_budget_is_the_global_timeout_less_the_cleanup_margin(tmp_path):
-    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    ini = tomllib.loads(pyproject.read_text())["tool"]["pytest"]["ini_options"]
+    ini = pyproject()["tool"]["pytest"]["ini_options"]
     assert float(ini["timeout"]) == GLOBAL_TIMEOUT_S
     local = LocalCluster(tmp_path, "redis://127.0.0.1:1/0", "unused")
     assert local.budget.total_s == GLOBAL_TIMEOUT_S - CLEANUP_MARGIN_S

@@ -63,13 +63,22 @@ _GLOB = re.compile(r"([*?\[\]\\])")
 class Store:
     """Typed access to the cluster's shared state."""
 
-    def __init__(self, url: str, cluster: str) -> None:
+    def __init__(
+        self, url: str, cluster: str, timeout_s: float = 30.0, connect_timeout_s: float = 5.0
+    ) -> None:
+        """Connect lazily to `url`; `timeout_s` bounds each command, `connect_timeout_s` a connect.
+
+        The defaults outlast a loaded Redis; a check that must finish in seconds
+        (`asteroid doctor`) passes shorter ones.
+        """
         self.prefix = f"asteroid:{cluster}:"
         remember_url(url)  # hidden from now on wherever this process shows text
         self.where = mask_url(url)
         """The Redis URL with its password hidden: what errors and logs may show."""
         try:
-            self.r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
+            self.r = redis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s
+            )
         except ValueError:
             # redis-py's message quotes the piece it choked on, a piece of the password
             raise ConfigError(
@@ -153,6 +162,14 @@ class Store:
             raise StoreError(
                 f"Redis at {self.where} does not answer: {mask_text(str(exc))}"
             ) from exc
+
+    def server_time(self) -> float:
+        """Redis's clock (TIME), seconds since the epoch: a reference to compare this host's with.
+
+        Raises the client's error (a denied TIME is NoPermissionError) as it is.
+        """
+        seconds, micros = self.r.time()
+        return seconds + micros / 1e6
 
     def wait_durable(self, timeout_s: float = 1.0) -> bool:
         """Wait up to `timeout_s` until Redis has fsynced this connection's writes to its AOF.

@@ -17,6 +17,10 @@ import math
 import os
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.accelerator import AcceleratorInfo
 
 __all__ = [
     "cgroup_memory_limit",
@@ -159,17 +163,26 @@ def _cpu_model(root: Path) -> str:
     return platform.processor() or "unknown"
 
 
-def device_fingerprint(threads: int, memory_budget: int = 0, root: Path = Path("/")) -> str:
+def device_fingerprint(
+    threads: int,
+    memory_budget: int = 0,
+    root: Path = Path("/"),
+    accelerator: AcceleratorInfo | None = None,
+) -> str:
     """A stable name for "this hardware, as this process may use it".
 
     Built from the CPU model, the cores visible to the process, the torch thread
-    count, the cgroup CPU quota and the memory limit (`memory_budget` when
-    configured, else the cgroup limit, else total RAM: all stable, unlike free
-    memory). Readable summary first, then a digest of everything.
+    count, the cgroup CPU quota, the GPU computed on (if any) and the memory
+    limit (`memory_budget` when configured, else a discrete GPU's own memory,
+    else the cgroup limit, else total RAM: all stable, unlike free memory).
+    Readable summary first, then a digest of everything. A CPU device's
+    fingerprint names no accelerator, as before there were any.
     """
     quota = cpu_quota(root)
-    mem = memory_budget or cgroup_memory_limit(root) or _meminfo(root, "MemTotal") or 0
-    parts = {
+    gpu = accelerator if accelerator is not None and accelerator.kind != "cpu" else None
+    own = gpu.total_memory if gpu is not None and not gpu.shared_memory else 0
+    mem = memory_budget or own or cgroup_memory_limit(root) or _meminfo(root, "MemTotal") or 0
+    parts: dict[str, object] = {
         "cpu": _cpu_model(root),
         "arch": platform.machine() or "unknown",
         "cores": visible_cores(),
@@ -177,6 +190,9 @@ def device_fingerprint(threads: int, memory_budget: int = 0, root: Path = Path("
         "quota": None if quota is None else round(quota, 3),
         "mem_mib": mem >> 20,
     }
+    if gpu is not None:  # absent on a CPU, so CPU fingerprints (and their profiles) stay valid
+        parts["gpu"] = (gpu.name, gpu.total_memory >> 20, gpu.shared_memory, gpu.capability)
     digest = hashlib.sha256(repr(sorted(parts.items())).encode()).hexdigest()[:10]
     q = "" if quota is None else f"-q{quota:g}"
-    return f"{parts['arch']}-{parts['cores']}c-{threads}t{q}-{mem / (1 << 30):.1f}g-{digest}"
+    acc = f"-{gpu.label}" if gpu is not None else ""
+    return f"{parts['arch']}-{parts['cores']}c-{threads}t{q}{acc}-{mem / (1 << 30):.1f}g-{digest}"

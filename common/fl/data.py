@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError
+from common.extras import require
 from common.zoo import InputSpec, ZooModel
 
 __all__ = [
@@ -57,13 +58,7 @@ def load_digits_split(test_fraction: float = 0.25, seed: int = 0) -> DigitsSplit
     """
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-    try:
-        from sklearn.datasets import load_digits  # heavy import, only when data is wanted
-    except ImportError as exc:
-        raise ConfigError(
-            "the digits data set needs scikit-learn on this device "
-            "(pip install 'asteroid-edge[fl]')"
-        ) from exc
+    load_digits = require("sklearn.datasets", "the digits data set").load_digits
 
     bunch = load_digits()
     images = torch.tensor(np.asarray(bunch.images), dtype=torch.float32) / _MAX_PIXEL

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError
+from common.extras import require
 from common.galaxy.config import TransformerConfig
 from common.galaxy.model import init_tensor
 from common.galaxy.weights import expected_shapes, from_bert_small, from_transformers
@@ -38,7 +39,7 @@ def transformers_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
 
     Built from a configuration only: random weights, nothing downloaded.
     """
-    import transformers  # heavy: only this source needs it
+    transformers = require("transformers", "a model built by transformers")
 
     torch.manual_seed(seed)
     model: torch.nn.Module

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from common.errors import ConfigError
+from common.extras import require
 from common.galaxy.config import TransformerConfig, layer_key
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ def from_transformers(model: nn.Module) -> tuple[TransformerConfig, dict[str, Te
             do not compute, an untied LM head, or a missing or misshapen tensor.
 
     """
-    import transformers  # heavy: imported only when a model is converted
+    transformers = require("transformers", "converting a transformers model")
 
     if isinstance(model, transformers.GPT2LMHeadModel | transformers.GPT2Model):
         config, w = _from_gpt2(model, transformers.GPT2LMHeadModel)

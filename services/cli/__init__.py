@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from common.cli_args import error_line, is_settings_error
 from common.exit_codes import ExitCode
+from common.extras import MissingExtraError
 from common.version import VERSION
 from services.cli import deploy as deploy_cmd
 from services.cli import federation as federation_cmd
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         typer.echo("asteroid: aborted", err=True)
         code = int(ExitCode.FAILED)
+    except MissingExtraError as exc:  # raised by a command before it could report it itself
+        typer.echo(f"asteroid: error: {exc}", err=True)
+        code = int(ExitCode.CONFIG)
     except ValidationError as exc:
         if not is_settings_error(exc):
             raise

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from common.extras import MissingExtraError
 from common.logging import get_logger
 from common.metrics_files import CsvLog, EventLog, resume
 from common.secrets import mask_text
@@ -65,13 +66,9 @@ class MetricsStream:
         records = self.history()
         try:
             self.table, self.events = resume(self.root, self.job_id, records, self.tensorboard)
-        except ImportError as exc:
+        except MissingExtraError as exc:
             self.tensorboard = False
-            log.warning(
-                "TensorBoard's writer cannot be imported (pip install tensorboard); "
-                "streaming metrics to CSV only",
-                error=str(exc),
-            )
+            log.warning("streaming metrics to CSV only", error=str(exc))
             self.table, self.events = resume(self.root, self.job_id, records, events=False)
 
     def _drop(self, exc: Exception) -> None:

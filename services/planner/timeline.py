@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from common.extras import require
 from common.plan import Plan
 from services.planner.simulator import Event, SimResult
 
@@ -45,6 +46,7 @@ def draw_timeline(result: SimResult, plan: Plan, path: Path, title: str = "") ->
     moment a device computes nothing shows as light grey. Matplotlib is
     imported here so that planners that never draw do not pay for it.
     """
+    require("matplotlib", "a timeline picture")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch

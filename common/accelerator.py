@@ -27,6 +27,8 @@ __all__ = [
     "accelerator_budget",
     "choose_accelerator",
     "describe_accelerator",
+    "full_precision",
+    "synchronize",
 ]
 
 ACCELERATORS: tuple[str, ...] = get_args(AcceleratorChoice)
@@ -138,3 +140,26 @@ def accelerator_budget(info: AcceleratorInfo, host_budget: int, configured: int 
         return host_budget
     free, _total = torch.cuda.mem_get_info(info.index)
     return int(free)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a no-op on a CPU), so a timer measures the work.
+
+    CUDA kernels run asynchronously: without this a timed call measures only
+    its launch.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def full_precision(info: AcceleratorInfo) -> None:
+    """Make float32 on `info`'s GPU mean float32: no TensorFloat-32 in matmuls or convolutions.
+
+    cuDNN convolutions use TF32 by default on Ampere and later (Jetson Orin
+    included), a 10-bit mantissa that would put a GPU stage a thousand times
+    further from the CPU's arithmetic than float32 round-off does; a job's
+    stages must compute the same model wherever they run. No-op on a CPU.
+    """
+    if info.kind == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False

@@ -67,6 +67,14 @@ _CHUNK_KEY = re.compile(rb"layer:(\d+):chunk:(\d+)")
 _LAYER_MANIFEST_KEY = re.compile(rb"layer:(\d+):manifest")
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `t` in host memory: what checkpoints, replicas and digests hold.
+
+    A stage on a GPU keeps its state there; what leaves the stage is a host copy.
+    """
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
 def _split_by_layer(
     state: dict[str, torch.Tensor], start: int
 ) -> dict[int, dict[str, torch.Tensor]]:
@@ -74,7 +82,7 @@ def _split_by_layer(
     out: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in state.items():
         head, _, rest = key.partition(".")
-        out.setdefault(start + int(head), {})[rest] = value.detach().clone().contiguous()
+        out.setdefault(start + int(head), {})[rest] = _host_copy(value)
     return out
 
 
@@ -91,9 +99,7 @@ def stage_tensors(
             head, _, rest = names[id(param)].partition(".")
             for sname, value in pstate.items():
                 tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-                layers[start + int(head)][f"{OPTIM_PREFIX}{rest}.{sname}"] = (
-                    tensor.detach().clone().contiguous()
-                )
+                layers[start + int(head)][f"{OPTIM_PREFIX}{rest}.{sname}"] = _host_copy(tensor)
     return layers
 
 
@@ -257,7 +263,13 @@ def restore_optimizer(
     for pname, pstate in optim.items():
         if pname not in params:
             raise CheckpointError(f"optimizer state for unknown parameter {pname}")
-        optimizer.state[params[pname]] = dict(pstate)
+        param = params[pname]
+        # state lives where its parameter does, except a step count, which torch's
+        # optimizers keep on the host unless `capturable` (as `load_state_dict` does)
+        optimizer.state[param] = {
+            name: value.to(param.device) if name != "step" else value
+            for name, value in pstate.items()
+        }
 
 
 def commit_checkpoint(

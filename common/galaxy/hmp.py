@@ -343,5 +343,5 @@ def generate(
                 on_prompt(logits)
             if step < new_tokens:
                 out.append(int(logits[-1].argmax()))
-                feed = torch.tensor([out[-1]], dtype=ids.dtype)
+                feed = torch.tensor([out[-1]], dtype=ids.dtype, device=ids.device)
     return out

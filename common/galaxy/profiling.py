@@ -15,6 +15,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from common.accelerator import synchronize
 from common.errors import ConfigError
 from common.galaxy import blocks
 from common.galaxy.config import LAYER_KEYS, TransformerConfig, layer_key
@@ -42,12 +43,15 @@ def random_layer(config: TransformerConfig, seed: int = 0) -> dict[str, Tensor]:
     }
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
+def _median_s(fn: Callable[[], object], repeats: int, on: torch.device | None = None) -> float:
+    on = on or torch.device("cpu")
     fn()  # warm-up: first calls pay allocation and dispatch costs a steady run does not
     times = []
     for _ in range(repeats):
+        synchronize(on)
         start = time.perf_counter()
         fn()
+        synchronize(on)  # a GPU runs asynchronously: time the work, not its launch
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -69,12 +73,14 @@ def profile_blocks(
     *,
     device: str = "local",
     seed: int = 0,
+    compute: torch.device | None = None,
 ) -> BlockProfile:
     """Median seconds of this machine's MHA, MLP and connective blocks at the given shares.
 
     A block's time is the sum of its parts' medians (QKV, attention, output GEMM;
     up, down GEMM); the first and last GEMM's shares of it are taken at the largest
     size measured, which is what tile overlap hides communication under.
+    `compute` is where the blocks run (the CPU by default), as served blocks will.
 
     Raises:
         ConfigError: If a count is outside the model, seq_len passes max_positions,
@@ -88,9 +94,10 @@ def profile_blocks(
     heads = _sizes("head_counts", head_counts, config.heads)
     cols = _sizes("col_counts", col_counts, config.ffn)
     rows = _sizes("row_counts", row_counts, seq_len)
-    w = random_layer(config, seed)
+    on = compute or torch.device("cpu")
+    w = {name: t.to(on) for name, t in random_layer(config, seed).items()}
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(seq_len, config.hidden, generator=gen)
+    x = torch.randn(seq_len, config.hidden, generator=gen).to(on)
     mha: list[tuple[int, float]] = []
     mha_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)
     with torch.inference_mode():
@@ -98,9 +105,9 @@ def profile_blocks(
             q, k, v = blocks.qkv(x, w, 0, range(n), config)
             ctx = blocks.attend(q, k, v, config.causal, 0)
             mha_parts = (
-                _median_s(partial(blocks.qkv, x, w, 0, range(n), config), repeats),
-                _median_s(partial(blocks.attend, q, k, v, config.causal, 0), repeats),
-                _median_s(partial(blocks.out_partial, ctx, w, 0, range(n)), repeats),
+                _median_s(partial(blocks.qkv, x, w, 0, range(n), config), repeats, on),
+                _median_s(partial(blocks.attend, q, k, v, config.causal, 0), repeats, on),
+                _median_s(partial(blocks.out_partial, ctx, w, 0, range(n)), repeats, on),
             )
             mha.append((n, sum(mha_parts)))
         mlp: list[tuple[int, float]] = []
@@ -108,8 +115,8 @@ def profile_blocks(
         for n in cols:
             e = blocks.mlp_up(x, w, 0, range(n), config)
             mlp_parts = (
-                _median_s(partial(blocks.mlp_up, x, w, 0, range(n), config), repeats),
-                _median_s(partial(blocks.mlp_down_partial, e, w, 0, range(n)), repeats),
+                _median_s(partial(blocks.mlp_up, x, w, 0, range(n), config), repeats, on),
+                _median_s(partial(blocks.mlp_down_partial, e, w, 0, range(n)), repeats, on),
             )
             mlp.append((n, sum(mlp_parts)))
         con: list[tuple[int, float]] = []
@@ -117,9 +124,9 @@ def profile_blocks(
             # the two connective blocks of a layer differ (post-attention, post-MLP plus
             # the next layer's input norm); one "connective block" is their mean
             after_attn = _median_s(
-                partial(blocks.after_attention, x[:n], x[:n], w, 0, config), repeats
+                partial(blocks.after_attention, x[:n], x[:n], w, 0, config), repeats, on
             )
-            after_mlp = _median_s(partial(_after_mlp, x[:n], w, config), repeats)
+            after_mlp = _median_s(partial(_after_mlp, x[:n], w, config), repeats, on)
             con.append((n, (after_attn + after_mlp) / 2))
     return BlockProfile(
         device=device,

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from common.accelerator import AcceleratorInfo, synchronize
 from common.data import dataset_for, split_indices
 from common.device import device_fingerprint
 from common.errors import ConfigError
@@ -64,6 +65,8 @@ WARM_ENOUGH_S = 0.2
 
 CALIBRATE_S = 0.3
 """Seconds of whole passes per batch size that calibrate the per-layer medians."""
+
+_CPU = torch.device("cpu")
 
 
 def _layer_name(layer: nn.Module) -> str:
@@ -134,6 +137,7 @@ def profile_model(
     device: str = "",
     seed: int = 0,
     allowed_modules: Collection[str] = (),
+    accelerator: AcceleratorInfo | None = None,
 ) -> Profile:
     """Measure every layer of `spec` on this device at each batch size.
 
@@ -152,6 +156,8 @@ def profile_model(
         seed: Seed of the model's weights and of the data fed through it.
         allowed_modules: The service's ``model_modules`` setting: the only modules a
             ``module:factory`` model may come from (a request cannot widen it).
+        accelerator: Where the layers run, as a worker's stage will (None: the CPU);
+            a GPU is named in the default fingerprint and synchronized around timings.
 
     Times use the current torch thread count. The backward of a layer computes
     its parameters' gradients and, from layer 1 on, its input's gradient: the
@@ -166,16 +172,22 @@ def profile_model(
     if optimizer not in OPTIMIZER_STATE:
         raise ConfigError(f"optimizer must be one of {sorted(OPTIMIZER_STATE)}, got {optimizer!r}")
     model = build_model(spec, seed, allowed_modules)
+    on = torch.device("cpu") if accelerator is None else accelerator.device
     layers = model.layers
     for layer in layers:
-        layer.train()
+        layer.to(on).train()
     data = dataset_for(model, seed)
+
+    def inputs(batch: int) -> torch.Tensor:
+        """The first `batch` training samples, on the device profiled."""
+        return data.batch(split_indices("train", 0, batch))[0].to(on)
+
     params = [list(layer.parameters()) for layer in layers]
     param_bytes = [sum(_nbytes(p) for p in ps) for ps in params]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if sizes is None:
-            probe = data.batch(split_indices("train", 0, 1))[0]
+            probe = inputs(1)
             per_sample = _footprint(layers, probe)
             sizes = auto_batch_sizes(per_sample, 2 * sum(param_bytes), memory_budget, max_batch)
         fwd: list[list[float]] = [[] for _ in layers]
@@ -184,11 +196,11 @@ def profile_model(
         saved_bytes = [0] * len(layers)
         total, done = len(layers) * len(sizes), 0
         for b in sizes:
-            x = data.batch(split_indices("train", 0, b))[0]
+            x = inputs(b)
             for i, layer in enumerate(layers):
                 x = x.detach().requires_grad_(i > 0 and x.is_floating_point())
                 try:
-                    f, bk, out, saved = _measure(layer, params[i], x, repeats, warmup)
+                    f, bk, out, saved = _measure(layer, params[i], x, repeats, warmup, on)
                 except (RuntimeError, ValueError, TypeError) as exc:
                     raise ConfigError(f"layer {i} failed on a batch of {b}: {exc}") from exc
                 fwd[i].append(f)
@@ -199,13 +211,14 @@ def profile_model(
                 done += 1
                 if progress is not None:
                     progress(Step(done, total, i, len(layers), b))
-            scale = _calibration(layers, data.batch(split_indices("train", 0, b))[0], fwd, bwd)
+            scale = _calibration(layers, inputs(b), fwd, bwd, on)
             for times in (*fwd, *bwd):
                 times[-1] *= scale
     factor = OPTIMIZER_STATE[optimizer]
     return Profile(
         model=model_key(spec),
-        device=device or device_fingerprint(torch.get_num_threads(), memory_budget),
+        device=device
+        or device_fingerprint(torch.get_num_threads(), memory_budget, accelerator=accelerator),
         batch_sizes=sizes,
         input_bytes=math.prod(model.input.shape) * model.input.dtype.itemsize,
         memory_budget=memory_budget,
@@ -227,7 +240,11 @@ def profile_model(
 
 
 def _calibration(
-    layers: list[nn.Module], x: torch.Tensor, fwd: list[list[float]], bwd: list[list[float]]
+    layers: list[nn.Module],
+    x: torch.Tensor,
+    fwd: list[list[float]],
+    bwd: list[list[float]],
+    on: torch.device = _CPU,
 ) -> float:
     """How much longer whole passes take than the sum of the layers' medians (>= 1).
 
@@ -240,12 +257,14 @@ def _calibration(
     medians = sum(f[-1] + b[-1] for f, b in zip(fwd, bwd, strict=True))
     if medians <= 0:
         return 1.0
+    synchronize(on)
     passes, t0 = 0, time.perf_counter()
     while passes < 2 or time.perf_counter() - t0 < CALIBRATE_S:
         h = x.detach().requires_grad_(False)
         for layer in layers:
             h = layer(h)
         h.float().sum().backward()  # type: ignore[no-untyped-call]
+        synchronize(on)
         passes += 1
     for layer in layers:
         layer.zero_grad(set_to_none=True)
@@ -253,7 +272,12 @@ def _calibration(
 
 
 def _measure(
-    layer: nn.Module, params: list[nn.Parameter], x: torch.Tensor, repeats: int, warmup: int
+    layer: nn.Module,
+    params: list[nn.Parameter],
+    x: torch.Tensor,
+    repeats: int,
+    warmup: int,
+    on: torch.device = _CPU,
 ) -> tuple[float, float, torch.Tensor, int]:
     """Median forward and backward seconds, the output (detached) and saved bytes.
 
@@ -261,7 +285,8 @@ def _measure(
     is the first warm-up run (hooks cost time, so it is never timed). Further
     warm-up runs are skipped when that run took over `WARM_ENOUGH_S`: one-off
     costs (kernel set-up, allocator growth) are paid by then, and at large
-    batches another run would only make the profile slower.
+    batches another run would only make the profile slower. On a GPU every
+    timer reads after a synchronize, so it times the kernels, not their launch.
     """
     saved = SavedBytes(weight_storages(layer))
     t0 = time.perf_counter()
@@ -274,16 +299,20 @@ def _measure(
         torch.autograd.backward([out], [grad])
     result = out.detach()
     del out
+    synchronize(on)
     warmup = max(0, warmup - 1) if time.perf_counter() - t0 < WARM_ENOUGH_S else 0
     forward: list[float] = []
     backward: list[float] = []
     for run in range(warmup + repeats):
         x.grad = None
+        synchronize(on)
         t0 = time.perf_counter()
         out = layer(x)
+        synchronize(on)
         t1 = time.perf_counter()
         if grad is not None:
             torch.autograd.backward([out], [grad])
+        synchronize(on)
         t2 = time.perf_counter()
         del out
         if run >= warmup:

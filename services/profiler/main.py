@@ -31,6 +31,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from common.accelerator import (
+    AcceleratorInfo,
+    accelerator_budget,
+    describe_accelerator,
+    full_precision,
+)
 from common.cli_args import parse_settings
 from common.curve import service_keys
 from common.device import (
@@ -95,7 +101,13 @@ def parse_options(text: str) -> dict[str, OptionValue]:
     return raw
 
 
-def _measure(settings: ProfilerSettings, spec: ModelSpec, device: str, budget: int) -> Profile:
+def _measure(
+    settings: ProfilerSettings,
+    spec: ModelSpec,
+    device: str,
+    budget: int,
+    accelerator: AcceleratorInfo,
+) -> Profile:
     """Profile with a progress bar on a terminal, a log line per batch size otherwise."""
     started = time.perf_counter()
     console = Console(stderr=True)
@@ -112,6 +124,7 @@ def _measure(settings: ProfilerSettings, spec: ModelSpec, device: str, budget: i
             max_batch=settings.max_batch,
             device=device,
             allowed_modules=settings.model_modules,
+            accelerator=accelerator,
         )
 
     def log_batch(step: Step) -> None:
@@ -202,13 +215,16 @@ def run(settings: ProfilerSettings) -> ExitCode:
             num_classes=settings.num_classes,
             options=parse_options(settings.options),
         )
+        accelerator = describe_accelerator(settings.accelerator)
+        full_precision(accelerator)  # measure what a worker computes
     except ConfigError as exc:
         log.error("invalid settings", error=str(exc))
         return ExitCode.CONFIG
     threads = settings.threads or default_threads()
     torch.set_num_threads(threads)
-    device = device_fingerprint(threads, settings.memory_budget)
-    budget = memory_budget(settings.memory_budget)
+    device = device_fingerprint(threads, settings.memory_budget, accelerator=accelerator)
+    configured = settings.memory_budget
+    budget = accelerator_budget(accelerator, memory_budget(configured), configured)
     key = model_key(spec)
     bind_global(device=device)
     store = Store(settings.redis_url, settings.cluster)
@@ -218,10 +234,16 @@ def run(settings: ProfilerSettings) -> ExitCode:
         if prof is not None:
             log.info("profile reused from Redis", model=key, batch_sizes=prof.batch_sizes)
         else:
-            log.info("profiling", model=key, threads=threads, memory_budget=budget)
+            log.info(
+                "profiling",
+                model=key,
+                threads=threads,
+                memory_budget=budget,
+                accelerator=accelerator.name,
+            )
             _warn_if_busy()
             started = time.perf_counter()
-            prof = _measure(settings, spec, device, budget)
+            prof = _measure(settings, spec, device, budget, accelerator)
             stored = save(store, prof)
             log.info(
                 "profile measured and stored",

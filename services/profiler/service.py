@@ -26,6 +26,7 @@ import redis
 import torch
 import zmq
 
+from common.accelerator import accelerator_budget, describe_accelerator, full_precision
 from common.codec import Limits, encode, recv_message
 from common.curve import service_keys
 from common.device import device_fingerprint, memory_budget
@@ -91,6 +92,9 @@ class ProfilerService:
 
         """
         self.settings = settings
+        self.accelerator = describe_accelerator(settings.accelerator)
+        """Where layers are measured; part of the fingerprint requests must name."""
+        full_precision(self.accelerator)  # measure what a worker computes
         # with keys: the one service secret in the key dir, one session of it per process;
         # loaded before anything that needs closing
         keys, server_key = service_keys(settings.keys)
@@ -178,7 +182,8 @@ class ProfilerService:
 
     def _answer_without_measuring(self, req: ProfileRequest) -> ProfileReply | None:
         """A refusal, a cached profile, or a Redis failure; None when a measurement is due."""
-        refused = refusal(req, device_fingerprint(req.threads, req.memory_budget))
+        here = device_fingerprint(req.threads, req.memory_budget, accelerator=self.accelerator)
+        refused = refusal(req, here)
         if refused is not None:
             log.info("request for another device", job=req.job_id, error=refused.error)
             return refused
@@ -212,7 +217,9 @@ class ProfilerService:
     def _measure(self, req: ProfileRequest) -> ProfileReply:
         """Profile on as many threads as the worker uses, store, and say where."""
         key = model_key(req.model)
-        budget = memory_budget(req.memory_budget)
+        budget = accelerator_budget(
+            self.accelerator, memory_budget(req.memory_budget), req.memory_budget
+        )
         before = torch.get_num_threads()
         started = time.perf_counter()
         log.info(
@@ -231,6 +238,7 @@ class ProfilerService:
                 max_batch=self.settings.max_batch,
                 device=req.fingerprint,
                 allowed_modules=self.settings.model_modules,
+                accelerator=self.accelerator,
             )
             stored = save(self.store, prof)
         except (AsteroidError, redis.RedisError) as exc:

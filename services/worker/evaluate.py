@@ -26,6 +26,7 @@ from common.errors import AsteroidError
 from common.messages import Activation
 from common.schedule import Action, PoolView, next_eval
 from services.worker.numerics import PAST_END, require_finite
+from services.worker.transfers import to_device, to_host
 
 if TYPE_CHECKING:
     from services.worker.stage import StageRunner
@@ -109,8 +110,9 @@ def _inputs(runner: StageRunner, round_no: int, j: int) -> tuple[torch.Tensor, t
 def _forward(runner: StageRunner, round_no: int, j: int, res: EvalResult) -> None:
     x, y = _inputs(runner, round_no, j)
     res.samples += int((y != PAST_END).sum())
-    out = runner.module(x)
+    out = runner.module(to_device(x, runner.compute))
     if runner.last:
+        y = to_device(y, runner.compute)
         loss = nn.functional.cross_entropy(out, y, reduction="sum", ignore_index=PAST_END)
         res.loss_sum += float(loss)
         res.correct += int((out.argmax(dim=1) == y).sum())
@@ -119,6 +121,7 @@ def _forward(runner: StageRunner, round_no: int, j: int, res: EvalResult) -> Non
         [("", out)], f"the evaluation activations of micro-batch {j} in round {round_no}"
     )
     lo = runner.span[0]
+    out = to_host(out)
     for r in runner.fwd_routes:
         msg = Activation(
             epoch=runner.epoch,

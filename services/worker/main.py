@@ -28,6 +28,7 @@ import torch
 import zmq
 from torch import nn
 
+from common.accelerator import accelerator_budget, describe_accelerator, full_precision
 from common.bandwidth import BandwidthSink
 from common.cli_args import parse_settings
 from common.codec import Limits
@@ -143,7 +144,12 @@ class Worker:
             keys,
         )
         self.prober = LinkProber(self.ctx, self.device, keys, self.control.send)
-        self.fingerprint = device_fingerprint(torch.get_num_threads(), settings.memory_budget)
+        self.accelerator = describe_accelerator(settings.accelerator)
+        """What the stage computes on; a GPU's name and memory are in the fingerprint."""
+        full_precision(self.accelerator)
+        self.fingerprint = device_fingerprint(
+            torch.get_num_threads(), settings.memory_budget, accelerator=self.accelerator
+        )
         self.budget = settings.memory_budget
         self.runner: StageRunner | None = None
         self._zoo: tuple[str, ZooModel] | None = None
@@ -161,6 +167,7 @@ class Worker:
             settings.task_timeout_s,
             lambda: "the worker is stopping" if self.stopping.is_set() else None,
             self.store,
+            self.accelerator.device,
         )
         self.receiver.tiles = self.serving.inbox
 
@@ -192,10 +199,13 @@ class Worker:
         """Run until told to shut down (or SIGTERM/SIGINT)."""
         _warm_up()
         # measured after torch is loaded: what is left is what training may use
-        self.budget = training_budget(self.settings.memory_budget)
-        # what peers may make this process hold: its training, the pool's parts, a margin
+        host = training_budget(self.settings.memory_budget)
+        # a discrete GPU's budget is its free memory; a CPU's or a Jetson's is the host's
+        self.budget = accelerator_budget(self.accelerator, host, self.settings.memory_budget)
+        # what peers may make this process hold in host memory: its training (on the
+        # host unless a discrete GPU holds it), the pool's parts, a margin
         self.receiver.guard = MemoryGuard.above_now(
-            self.budget + self.settings.pool_max_bytes + self.settings.inbound_margin
+            host + self.settings.pool_max_bytes + self.settings.inbound_margin
         )
         self.sink.guard = self.receiver.guard  # whichever socket grew, it is reset in turn
         self.receiver.start()
@@ -211,6 +221,8 @@ class Worker:
             coordinator=self.settings.coordinator,
             redis=self.store.where,
             version=VERSION,
+            accelerator=self.accelerator.name,
+            memory_budget=self.budget,
         )
         try:
             while not self.stopping.is_set():
@@ -451,6 +463,7 @@ class Worker:
             self.holdings,
             self.bulk,
             self._model(msg.job.model, msg.job.seed),
+            self.accelerator.device,
         )
         bind_global(job=msg.job.job_id, stage=msg.stage, epoch=msg.epoch)
         self.state = "ready"

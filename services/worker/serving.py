@@ -39,6 +39,7 @@ from common.serving_messages import (
 )
 from common.store import Store
 from services.worker.tiles import Expecting, TileInbox, ZmqRing
+from services.worker.transfers import to_device
 from services.worker.transport import Dispatcher
 
 __all__ = ["Served", "Serving"]
@@ -70,7 +71,10 @@ class Serving:
         timeout_s: float,
         stopped: Callable[[], str | None],
         store: Store,
+        compute: torch.device | None = None,
     ) -> None:
+        """`compute` is where the served blocks run (the CPU by default), as training's stage."""
+        self.compute = compute or torch.device("cpu")
         self.device = device
         self.store = store
         """Redis, for the checkpoints a trained model is served from."""
@@ -84,7 +88,14 @@ class Serving:
         """Time the blocks at the sizes asked, on random weights of the served shape."""
         config = msg.model.config()
         profile = profile_blocks(
-            config, msg.seq_len, msg.heads, msg.cols, msg.rows, msg.repeats, device=self.device
+            config,
+            msg.seq_len,
+            msg.heads,
+            msg.cols,
+            msg.rows,
+            msg.repeats,
+            device=self.device,
+            compute=self.compute,
         )
         return BlocksProfiled(
             device=self.device, serve_id=msg.serve_id, epoch=msg.epoch, profile=profile
@@ -114,6 +125,7 @@ class Serving:
         else:
             full = sources.transformers_weights(config, msg.spec.seed)
             weights = sources.shard(full, config, plan.head_range(rank), plan.col_range(rank))
+        weights = {name: to_device(t, self.compute) for name, t in weights.items()}
         devices = [DeviceId(d) for d in plan.devices]
         missing = [d for d in devices if d not in msg.peers]
         if missing:
@@ -154,8 +166,9 @@ class Serving:
             self.dispatcher,
             self.inbox,
             self.stopped,
+            self.compute,
         )
-        ids = torch.tensor(msg.ids, dtype=torch.int64)
+        ids = torch.tensor(msg.ids, dtype=torch.int64, device=self.compute)
         config, plan = served.config, served.plan
         if msg.new_tokens and config.kind != "decoder":
             raise ConfigError("only a decoder generates tokens; this model is an encoder")

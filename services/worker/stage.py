@@ -56,6 +56,7 @@ from services.worker.lanes import SplitLanes
 from services.worker.numerics import require_finite
 from services.worker.pool import Expected, TaskPool
 from services.worker.stash import WeightStash
+from services.worker.transfers import to_device, to_host
 from services.worker.transport import Dispatcher
 
 __all__ = [
@@ -213,8 +214,13 @@ class StageRunner:
         holdings: Holdings | None = None,
         bulk: Dispatcher | None = None,
         zoo: ZooModel | None = None,
+        compute: torch.device | None = None,
     ) -> None:
         """Build the stage and load its state at version `assign.from_round`.
+
+        `compute` is the device the stage's weights, optimizer state and
+        computation live on (the CPU by default); what crosses the wire and
+        what checkpoints hold stays in host memory (`services.worker.transfers`).
 
         `zoo` is the job's model if the worker built it already: its layers are
         reused (their whole state is loaded anew), so a re-assignment does not
@@ -264,7 +270,8 @@ class StageRunner:
         zoo = zoo or build_model(assign.job.model, assign.job.seed, allowed_modules)
         self.num_classes = zoo.num_classes
         """Width of the logits: labels from the previous stage must lie in [0, num_classes)."""
-        self.module = zoo.stage(self.start, self.end)
+        self.compute = compute or torch.device("cpu")
+        self.module = zoo.stage(self.start, self.end).to(self.compute)
         t1 = time.perf_counter()
         weights, optim_state = self._state(layers)
         t2 = time.perf_counter()
@@ -281,7 +288,7 @@ class StageRunner:
         """Seconds spent building the model, reading the state and loading it."""
         self.total_rounds = _job_rounds(assign)
         # only the first stage reads samples; later stages get them as activations
-        self.data = open_data(assign.job, zoo) if self.first else None
+        self.data = open_data(assign.job, zoo, allowed_modules) if self.first else None
         self.round = assign.from_round
         """The version of the weights held: rounds committed before them."""
         self.in_round = False
@@ -550,12 +557,15 @@ class StageRunner:
         if self.data is not None:
             base = round_no * self.plan.global_batch + mb * self.plan.micro_size
             x, y = self.data.train_batch(base + lo, hi - lo)
+            x = to_device(x, self.compute)
         else:
             x, y = self.pool.take(round_no, "F", mb)
+            x = to_device(x, self.compute)
             if x.is_floating_point():
                 x.requires_grad_(True)
         out = self.module(x) if params is None else functional_call(self.module, params, (x,))
         if self.last:
+            y = to_device(y, self.compute)
             summed = nn.functional.cross_entropy(out, y, reduction="sum")
             loss = summed / self.plan.global_batch
             # the labels and inputs were checked on arrival: a non-finite loss is our own
@@ -564,11 +574,11 @@ class StageRunner:
             res.correct += int((out.detach().argmax(dim=1) == y).sum())
             # async: each micro-batch is a mini-batch, its gradient that of its own mean
             return x, (loss if params is None else summed / self.plan.micro_size)
-        sent = out.detach()
         require_finite(
-            [("", sent)],
+            [("", out)],
             f"the activations of micro-batch {mb} in round {round_no} on stage {self.p}",
         )
+        sent = to_host(out.detach())  # one copy off a GPU; its slices are framed as they are
         for r in self.fwd_routes:
             msg = Activation(
                 epoch=self.epoch, round=round_no, mb=mb, stage=self.p + 1, lo=r.lo, hi=r.hi
@@ -581,7 +591,7 @@ class StageRunner:
             out.backward()  # type: ignore[no-untyped-call]
         else:
             (grad,) = self.pool.take(round_no, "B", mb)
-            out.backward(grad)  # type: ignore[no-untyped-call]
+            out.backward(to_device(grad, self.compute))  # type: ignore[no-untyped-call]
         if self.first or x.grad is None:
             return
         require_finite(
@@ -589,17 +599,21 @@ class StageRunner:
             f"the gradients of micro-batch {mb} in round {round_no} on stage {self.p}",
         )
         lo = self.span[0]
+        grad_in = to_host(x.grad)
         for r in self.bwd_routes:
             msg = Gradient(
                 epoch=self.epoch, round=round_no, mb=mb, stage=self.p - 1, lo=r.lo, hi=r.hi
             )
-            self.out.send(r.src, msg, [x.grad[r.lo - lo : r.hi - lo]])
+            self.out.send(r.src, msg, [grad_in[r.lo - lo : r.hi - lo]])
 
     def _allreduce(self, round_no: int) -> None:
         """Sum gradients over the group, and average float buffers.
 
         Buffers (batch-norm statistics) are weighted by each replica's samples so
-        that replicas stay identical.
+        that replicas stay identical. The sums run in host memory, in the ring's
+        order: each chunk is summed once, along the same path whatever device a
+        replica computes on, and every replica receives that one result, so a
+        GPU replica and a CPU replica of a stage hold the same bits.
         """
         if len(self.group) == 1:
             return
@@ -624,7 +638,9 @@ class StageRunner:
             self.progress += 1
             return chunk_sum
 
-        total = ring_allreduce(flat, self.rank, len(self.group), send, recv)
+        host = to_host(flat)  # a GPU's gradients cross once; a CPU's are reduced in place
+        summed = ring_allreduce(host, self.rank, len(self.group), send, recv)
+        total = to_device(summed, self.compute)
         offset = 0
         for tensor in params:
             n = tensor.numel()

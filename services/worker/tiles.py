@@ -17,11 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from common.errors import RoundAbortedError, RoundTimeoutError
 from common.ids import DeviceId
 from common.serving_messages import HmpTile
+from services.worker.transfers import to_device, to_host
 
 if TYPE_CHECKING:
     from services.worker.transport import Dispatcher
@@ -120,8 +122,14 @@ class ZmqRing:
         dispatcher: Dispatcher,
         inbox: TileInbox,
         stopped: Callable[[], str | None],
+        compute: torch.device | None = None,
     ) -> None:
-        """`msg` is the template every tile of this request is stamped from (tag aside)."""
+        """`msg` is the template every tile of this request is stamped from (tag aside).
+
+        Tiles cross the wire from host memory and are handed back on `compute`,
+        the device the served blocks run on.
+        """
+        self._compute = compute or torch.device("cpu")
         self._devices = devices
         self._rank = devices.index(me)
         self._msg = msg
@@ -145,7 +153,10 @@ class ZmqRing:
     def send(self, tag: str, tensor: Tensor) -> None:
         """Queue `tensor` to the next device; a copy travels, so the caller may reuse its own."""
         tile = self._msg.model_copy(update={"tag": tag})
-        self._dispatcher.send(self._neighbour(1), tile, [tensor.detach().contiguous().clone()])
+        tensor = tensor.detach()
+        # off a GPU, the host copy is the copy; on a CPU, a copy of its own
+        host = to_host(tensor) if tensor.device.type != "cpu" else tensor.contiguous().clone()
+        self._dispatcher.send(self._neighbour(1), tile, [host])
 
     def recv(self, tag: str, timeout_s: float) -> Tensor:
         """The previous device's tile `tag` of this request, waiting at most `timeout_s`."""
@@ -155,4 +166,4 @@ class ZmqRing:
                 f"{self._devices[self._rank]} expected tile {tag!r} of request "
                 f"{self._msg.round} from {self._neighbour(-1)} within {timeout_s:g} s, got nothing"
             )
-        return got
+        return to_device(got, self._compute)

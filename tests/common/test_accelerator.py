@@ -14,6 +14,7 @@ from common.accelerator import (
     accelerator_budget,
     choose_accelerator,
     describe_accelerator,
+    full_precision,
 )
 from common.device import device_fingerprint
 from common.errors import ConfigError
@@ -169,3 +170,20 @@ def test_fingerprint_of_a_jetson_keeps_the_hosts_memory(
     assert "-6t-cuda_Orin-2.0g-" in configured  # a configured budget wins, as on a CPU
     f = facts(fp)
     assert f is not None and f.memory_bytes == 16 * GiB
+
+
+def test_full_precision_turns_tf32_off_on_a_gpu_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        full_precision(CPU)
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+        _fake_gpu(monkeypatch)
+        full_precision(describe_accelerator("cuda", tmp_path))
+        assert not torch.backends.cudnn.allow_tf32
+        assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

@@ -63,7 +63,9 @@ class LocalPipeline:
         plan: Plan,
         total_rounds: int = 0,
         timeout_s: float = 30.0,
+        compute: torch.device | None = None,
     ) -> None:
+        """`compute`: the device every runner computes on (the CPU by default)."""
         zoo = build_model(job.model, job.seed)
         full = zoo.full()
         save_stage(store, job.job_id, 0, full, None, 0)
@@ -86,7 +88,7 @@ class LocalPipeline:
             )
             pool = self.pools[str(d)]
             out = self.outs[str(d)]
-            self.runners[str(d)] = StageRunner(msg, d, store, pool, out, timeout_s)
+            self.runners[str(d)] = StageRunner(msg, d, store, pool, out, timeout_s, compute=compute)
 
     def run(self, command: str, *args: int) -> dict[str, Any]:
         """Run `runner.<command>(*args)` on every device at once; returns the results."""
@@ -152,5 +154,5 @@ class LocalPipeline:
             runner = self.runners[str(st.devices[0].device)]
             for key, value in runner.module.state_dict().items():
                 head, _, rest = key.partition(".")
-                out[f"{runner.start + int(head)}.{rest}"] = value.detach().clone()
+                out[f"{runner.start + int(head)}.{rest}"] = value.detach().to("cpu", copy=True)
         return out

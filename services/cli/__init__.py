@@ -21,6 +21,7 @@ from common.exit_codes import ExitCode
 from common.extras import MissingExtraError
 from common.version import VERSION
 from services.cli import deploy as deploy_cmd
+from services.cli import doctor as doctor_cmd
 from services.cli import federation as federation_cmd
 from services.cli import jobs, keys, local, metrics
 from services.cli import join as join_cmd
@@ -80,6 +81,7 @@ app.command()(jobs.cancel)
 app.command()(jobs.drain)
 app.command()(jobs.export)
 app.command()(join_cmd.join)
+app.command()(doctor_cmd.doctor)
 app.command()(metrics.export_metrics)
 app.command()(federation_cmd.federation)
 app.add_typer(testbed_cmd.app, name="testbed")

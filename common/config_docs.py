@@ -79,7 +79,9 @@ def _default(field: Any) -> str:
 
 def _job_rows(model: type[BaseModel], prefix: str) -> list[str]:
     out = []
-    for name, field in model.model_fields.items():
+    # a union member's tag first, even where its shared fields come from a base class
+    fields = sorted(model.model_fields.items(), key=lambda item: item[0] != "kind")
+    for name, field in fields:
         path, meaning = f"{prefix}{name}", field.description or ""
         kinds = typing.get_args(field.annotation) if name == "kind" else ()
         if len(kinds) == 1:  # the tag of one member of a union: the rows below are its own

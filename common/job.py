@@ -27,14 +27,19 @@ __all__ = [
     "MAX_HOMES",
     "MAX_PARAMETERS",
     "MAX_ROUNDS",
+    "ArraysData",
     "Cifar10Data",
+    "CustomData",
     "DataSpec",
     "DigitsData",
     "FederatedSpec",
+    "HfFolderData",
+    "ImageFolderData",
     "JobSpec",
     "OptimizerSpec",
     "ScheduleSpec",
     "SyntheticData",
+    "UserData",
     "check_job_id",
     "learning_rate",
     "load_job",
@@ -170,7 +175,130 @@ class DigitsData(_Strict):
         return v
 
 
-DataSpec = Annotated[SyntheticData | Cifar10Data | DigitsData, Field(discriminator="kind")]
+class _HeldOutSplit(_Strict):
+    """How a person's own data is split: a second source, or a seeded fraction held out."""
+
+    held_out_fraction: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="Share of the samples held out for evaluation, drawn with split_seed, "
+        "when no separate held-out data is named.",
+    )
+    split_seed: int = Field(
+        0, ge=0, le=_MAX_SEED, description="Seed of the held-out draw (held_out_fraction)."
+    )
+    eval_size: int | None = Field(
+        None, ge=1, le=_MAX_EVAL, description="Held-out samples used by evaluation (None: all)."
+    )
+
+
+class _Normalised(_HeldOutSplit):
+    """Images decoded to [0, 1], then ``(value - mean) / std`` per channel."""
+
+    mean: tuple[Annotated[float, Field(ge=-1e3, le=1e3)], ...] = Field(
+        (0.5,),
+        min_length=1,
+        max_length=4,
+        description="Per-channel mean subtracted from pixels in [0, 1] (one value: all channels).",
+    )
+    std: tuple[Annotated[float, Field(ge=1e-6, le=1e3)], ...] = Field(
+        (0.5,),
+        min_length=1,
+        max_length=4,
+        description="Per-channel standard deviation pixels are divided by (one value: all).",
+    )
+
+
+class ImageFolderData(_Normalised):
+    """Images in one sub-folder per class; class i is the i-th folder name in sorted order.
+
+    Decoded with Pillow (the ``data`` extra) only when a batch needs them, converted
+    to RGB (or grey for a one-channel model), resized bilinearly to the model's
+    height and width, scaled to [0, 1] and normalised with `mean` and `std`.
+    """
+
+    kind: Literal["image_folder"] = "image_folder"
+    path: Path = Field(description="Folder of class folders (training samples).")
+    held_out: Path | None = Field(
+        None,
+        description="Folder of class folders held out for evaluation (same class names); "
+        "None: held_out_fraction of path.",
+    )
+
+
+class ArraysData(_HeldOutSplit):
+    """Arrays ``x`` (one row per sample, the model's input shape) and ``y`` (int labels).
+
+    A ``.npz`` file, a folder with ``x.npy`` and ``y.npy`` (memory-mapped) or a
+    ``.safetensors`` file with tensors ``x`` and ``y`` (read row by row).
+    """
+
+    kind: Literal["arrays"] = "arrays"
+    path: Path = Field(description="A .npz, a folder with x.npy and y.npy, or a .safetensors.")
+    held_out: Path | None = Field(
+        None, description="Held-out arrays of the same form; None: held_out_fraction of path."
+    )
+
+
+_COLUMN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class HfFolderData(_Normalised):
+    """A Hugging Face `datasets` folder written by ``save_to_disk`` (the ``data`` extra).
+
+    Read with ``load_from_disk``, which memory-maps its Arrow files: only the rows
+    of a batch are read. An image column is decoded like `ImageFolderData`; an
+    array column must have the model's input shape.
+    """
+
+    kind: Literal["hf_folder"] = "hf_folder"
+    path: Path = Field(description="Folder written by Dataset(Dict).save_to_disk.")
+    x_column: str = Field("image", pattern=_COLUMN, description="Column of the inputs.")
+    label_column: str = Field("label", pattern=_COLUMN, description="Column of int labels.")
+    split: str = Field(
+        "train", pattern=_COLUMN, description="Training split of a DatasetDict folder."
+    )
+    held_out_split: str | None = Field(
+        None,
+        pattern=_COLUMN,
+        description="Held-out split of a DatasetDict folder; None: held_out_fraction of split.",
+    )
+
+
+_FACTORY = r"^[A-Za-z_][A-Za-z0-9_.]{0,199}:[A-Za-z_][A-Za-z0-9_]{0,99}$"
+
+
+class CustomData(_HeldOutSplit):
+    """A map-style dataset of ``(x, y)`` made by a ``package.module:factory``.
+
+    The factory is declared with `common.datasets.data_factory` and its module must be
+    in the reading service's ``model_modules`` setting (the allow-list of custom
+    models): otherwise nothing is imported.
+    """
+
+    kind: Literal["custom"] = "custom"
+    factory: str = Field(pattern=_FACTORY, description="package.module:factory of training data.")
+    held_out_factory: str | None = Field(
+        None,
+        pattern=_FACTORY,
+        description="package.module:factory of held-out data; None: held_out_fraction.",
+    )
+
+
+UserData = ImageFolderData | ArraysData | HfFolderData | CustomData
+"""The kinds of data a person brings (`common.datasets` reads them)."""
+
+DataSpec = Annotated[
+    SyntheticData
+    | Cifar10Data
+    | DigitsData
+    | ImageFolderData
+    | ArraysData
+    | HfFolderData
+    | CustomData,
+    Field(discriminator="kind"),
+]
 
 
 class FederatedSpec(_Strict):
@@ -230,6 +358,12 @@ class JobSpec(_Strict):
         gt=0,
         le=1e6,
         description="Passes over a finite training set (instead of rounds).",
+    )
+    init_from: Path | None = Field(
+        None,
+        description="A .safetensors file of the whole model's weights to start from "
+        "instead of seeded random ones (names and shapes as the model's state dict; "
+        "read on the coordinator, which writes them as the job's round-0 checkpoint).",
     )
     optimizer: OptimizerSpec = Field(OptimizerSpec(), description="Optimizer and schedule.")
     policy: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule.")

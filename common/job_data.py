@@ -11,14 +11,16 @@ first `eval_size` samples of the held-out split, always in order.
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 
 import torch
 
 from common.cifar10 import Cifar10Folder, Cifar10Images, check_model, find_folder
 from common.data import Dataset, dataset_for, split_indices
+from common.datasets import Split, open_split
 from common.errors import ConfigError, DataPathError
 from common.fl.data import DIGIT_CLASSES, TensorData, home_share, load_digits_split
-from common.job import Cifar10Data, DigitsData, JobSpec, SyntheticData
+from common.job import Cifar10Data, CustomData, DigitsData, JobSpec, SyntheticData, UserData
 from common.zoo import ZooModel
 
 __all__ = ["JobData", "epoch_order", "eval_size", "open_data", "sample_indices", "train_size"]
@@ -82,8 +84,11 @@ class JobData:
         return self.held_out.batch(idx)
 
 
-def open_data(job: JobSpec, model: ZooModel) -> JobData:
+def open_data(job: JobSpec, model: ZooModel, allowed_modules: Collection[str] = ()) -> JobData:
     """The data `job.dataset` names, shaped for `model`'s first layer.
+
+    `allowed_modules` is the reading service's own ``model_modules`` setting: only
+    it lets a ``custom`` dataset's factory module be imported.
 
     Raises:
         ConfigError: The data does not fit the model, or its files are missing.
@@ -105,6 +110,10 @@ def open_data(job: JobSpec, model: ZooModel) -> JobData:
         share.check_model(model, "scikit-learn's digits")
         digits_test = _digits_held_out(spec.split_seed)
         return JobData(share, digits_test, len(y), len(digits_test), job.seed, synthetic=False)
+    if isinstance(spec, UserData):
+        rows, held_rows = open_split(spec, allowed_modules).datasets(model)
+        evals = spec.eval_size or len(held_rows)
+        return JobData(rows, held_rows, len(rows), evals, job.seed, synthetic=False)
     raise ConfigError(f"dataset.kind {spec!r} is unknown")
 
 
@@ -118,14 +127,16 @@ def _digits_held_out(seed: int) -> TensorData:
     return TensorData(split.test_x, split.test_y, DIGIT_CLASSES)
 
 
-def train_size(job: JobSpec) -> int | None:
+def train_size(job: JobSpec, allowed_modules: Collection[str] = ()) -> int | None:
     """Training samples of `job` (None: unbounded), without building its model.
 
     Lets the coordinator check the data and turn `epochs` into rounds when a job
-    is submitted, before any device is asked to load anything.
+    is submitted, before any device is asked to load anything; a person's own
+    data is listed (names and headers), not read.
 
     Raises:
         DataPathError: The dataset's files are missing or malformed (a ConfigError).
+        ConfigError: A ``custom`` dataset's factory is refused or fails.
 
     """
     spec = job.dataset
@@ -135,16 +146,19 @@ def train_size(job: JobSpec) -> int | None:
         return _checked_folder(spec).train_records
     if isinstance(spec, DigitsData):
         return len(_digits_share(spec)[1])
+    if isinstance(spec, UserData):
+        return len(_checked_split(spec, allowed_modules).train_rows)
     raise ConfigError(f"dataset.kind {spec!r} is unknown")
 
 
-def eval_size(job: JobSpec) -> int:
+def eval_size(job: JobSpec, allowed_modules: Collection[str] = ()) -> int:
     """Held-out samples one evaluation of `job` covers, without building its model.
 
     Lets the coordinator size evaluation requests without loading the data.
 
     Raises:
         DataPathError: The dataset's files are missing or malformed (a ConfigError).
+        ConfigError: A ``custom`` dataset's factory is refused or fails.
 
     """
     spec = job.dataset
@@ -155,7 +169,23 @@ def eval_size(job: JobSpec) -> int:
         return spec.eval_size or folder.test_records
     if isinstance(spec, DigitsData):
         return len(_digits_held_out(spec.split_seed))
+    if isinstance(spec, UserData):
+        return spec.eval_size or len(_checked_split(spec, allowed_modules).held_rows)
     raise ConfigError(f"dataset.kind {spec!r} is unknown")
+
+
+def _checked_split(spec: UserData, allowed_modules: Collection[str]) -> Split:
+    """`open_split` for a check on the coordinator: a path's failure is a DataPathError.
+
+    A factory's refusal says nothing about the coordinator's disk, so it stays
+    a plain ConfigError with its reason.
+    """
+    if isinstance(spec, CustomData):
+        return open_split(spec, allowed_modules)
+    try:
+        return open_split(spec, allowed_modules)
+    except (ConfigError, OSError) as exc:  # OSError: a folder it may not even look into
+        raise DataPathError(str(exc)) from None
 
 
 def _checked_folder(spec: Cifar10Data) -> Cifar10Folder:

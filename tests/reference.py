@@ -9,9 +9,11 @@ runs the whole model on whole global batches. `assert_matches_reference` and
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from common.job import JobSpec, OptimizerSpec, learning_rate
@@ -108,18 +110,22 @@ def reference_train(
     dataset: dict[str, Any] | None = None,
     total_rounds: int | None = None,
     initial: Mapping[str, torch.Tensor] | None = None,
+    init_from: Path | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train `rounds` steps of `global_batch` on one process; returns weights and losses.
 
     `total_rounds` is the job's length the schedule refers to (default `rounds`),
     so the weights after a prefix of a longer job can be computed too. `initial`:
-    weights to start from instead of the seed's (a federated home's local rounds).
+    weights to start from instead of the seed's (a federated home's local rounds);
+    `init_from`: a job's ``init_from`` file, read whole the plain way.
     """
     job = reference_job(model, seed, optimizer, dataset, total_rounds or rounds)
     zoo = build_model(job.model, seed)
     net = zoo.full().train()
     if initial is not None:
         net.load_state_dict(initial)
+    if init_from is not None:
+        net.load_state_dict(load_file(init_from))
     data = open_data(job, zoo)
     spec = job.optimizer
     opt = reference_optimizer(list(net.parameters()), spec)

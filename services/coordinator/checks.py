@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from common.errors import ConfigError, DataPathError
+from common.init_weights import WeightsMismatch, init_header
 from common.job import JobSpec
 from common.job_data import train_size
 from common.logging import get_logger
@@ -35,16 +36,24 @@ def check_job(
     The job's own validation already bounded every option and a zoo model's size;
     the model is then built in a child process under `limits` (`probe_model`), so
     what is left (a user factory's appetite, a slow build) is the model's fault and
-    never the checking service's memory or time.
+    never the checking service's memory or time. An ``init_from`` file's header is
+    read here and compared with the model's state dict by the same build.
     """
     try:
-        probe_model(job.model, job.seed, allowed_modules, limits)
+        shapes = None if job.init_from is None else init_header(job.init_from)
+    except DataPathError as exc:  # as for the dataset: the reason stays in this log
+        log.warning("refused a job's init_from path", job=job.job_id, reason=exc.detail)
+        raise
+    try:
+        probe_model(job.model, job.seed, allowed_modules, limits, shapes)
+    except WeightsMismatch:
+        raise
     except ConfigError as exc:
         raise ConfigError(f"model: {exc}") from exc
     if job.planner not in PLANNER_NAMES:
         raise ConfigError(f"planner: {job.planner!r} is not one of {sorted(PLANNER_NAMES)}")
     try:
-        size = train_size(job)
+        size = train_size(job, allowed_modules)
     except DataPathError as exc:  # the reason stays here: a submitter may be anyone
         log.warning("refused a job's dataset path", job=job.job_id, reason=exc.detail)
         raise

@@ -126,6 +126,7 @@ def start(
     from_peers: bool = False,
     costs: Sequence[float] | None = None,
     memory: MemoryInputs | None = None,
+    eval_samples: int = 0,
 ) -> Out:
     """A job about to be assigned `plan`, resuming from the weights of `from_round`.
 
@@ -133,13 +134,16 @@ def start(
     `from_round` (a restarted coordinator's workers hold it), not to load it from
     Redis; if one cannot, the job goes back to the newest checkpoint instead.
     With per-layer `costs` (profiled), measured speeds may move the partition
-    points (`adapt`), within `memory`.
+    points (`adapt`), within `memory`. `eval_samples`: held-out samples an
+    evaluation covers, sized by the shell (a ``custom`` dataset's factory is
+    allow-listed by the service's settings, which this core does not see).
     """
     run = Run(
         job=job,
         total=total,
         layers=layers,
         train_size=train_size,
+        eval_samples=eval_samples,
         limits=limits,
         plan=plan,
         summary=Summary(start=from_round),
@@ -518,7 +522,7 @@ def _after_eval(run: Run, now: float) -> Out:
 
 def _eval(run: Run, round_no: int, now: float) -> Out:
     """Evaluate the weights of `round_no` on the held-out set, through the pipeline."""
-    batches = -(-eval_size(run.job) // run.plan.global_batch)
+    batches = -(-(run.eval_samples or eval_size(run.job)) // run.plan.global_batch)
     run = replace(run, phase="eval")
     cmds: list[Command] = [
         Send(d, RunEval(epoch=run.epoch, round=round_no, batches=batches)) for d in run.plan.devices

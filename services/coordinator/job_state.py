@@ -159,6 +159,8 @@ class Run:
     limits: Limits
     plan: Plan
     summary: Summary
+    eval_samples: int = 0
+    """Held-out samples one evaluation covers (0: as `eval_size` gives it for the job)."""
     phase: Phase = "assign"
     epoch: int = 0
     committed: int = 0

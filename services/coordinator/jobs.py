@@ -32,8 +32,9 @@ from common.checkpoint import (
 )
 from common.errors import AsteroidError, ConfigError, StoreUnavailable
 from common.ids import DeviceId
+from common.init_weights import load_init
 from common.job import JobSpec
-from common.job_data import train_size
+from common.job_data import eval_size, train_size
 from common.lifecycle import TERMINAL, JobState, advance
 from common.logging import bind_global, get_logger
 from common.messages import LinksMeasured, PlanRequest
@@ -163,7 +164,7 @@ class JobRun:
         self.store = coord.store
         self.vetting = Vetting(coord, coord.settings.probe_timeout_s)
         """Which devices a plan may name (claims as their fingerprint says, challenge answered)."""
-        self.train_size = train_size(job)
+        self.train_size = train_size(job, coord.settings.model_modules)
         """Samples of the training set (None: unbounded), for the sample ledger."""
         root = coord.settings.metrics_dir
         self.stream: MetricsStream | None = None
@@ -392,8 +393,10 @@ class JobRun:
         from_peers = start is not None and committed > start
         if from_peers:
             start = committed
-        if start is None:
+        if start is None:  # a fresh start; a resumed job goes on from its checkpoint
             start = 0
+            if self.initial is None and job.init_from is not None:
+                load_init(job.init_from, model)
 
             def initial() -> None:
                 save_stage(store, jid, 0, model, None, 0)
@@ -420,6 +423,7 @@ class JobRun:
             from_peers,
             costs,
             memory,
+            eval_size(job, coord.settings.model_modules),
         )
         run, more = driver.apply(run, Beats(coord.members), time.monotonic())
         run = self._carry_out(run, [*commands, *more])

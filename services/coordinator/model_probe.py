@@ -27,12 +27,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from common.init_weights import WeightsMismatch, mismatch, state_shapes
 from common.settings import CoordinatorSettings
 from common.zoo import ModelSpec, build_model
 from common.zoo.custom import check_model_source
@@ -153,15 +154,19 @@ def probe_model(
     seed: int,
     allowed_modules: Collection[str] = (),
     limits: ProbeLimits = ProbeLimits(),
+    init_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> ModelFacts:
     """Build `spec` in a child process under `limits` and return its sizes.
 
     The allow-list is checked here first, so a module outside it is refused without
-    a process, an import or a call.
+    a process, an import or a call. With `init_shapes` (an ``init_from`` file's
+    header), the child also compares them with the model's state dict, so the
+    model is built once for both checks.
 
     Raises:
         ConfigError: The model is refused (allow-list, options, user code), needs more
             memory than `limits` allows, takes longer, or its process dies.
+        WeightsMismatch: `init_shapes` are not the names and shapes of its state dict.
 
     """
     global _server
@@ -173,6 +178,7 @@ def probe_model(
         "path": list(sys.path),  # user modules resolve as they would in the caller
         "memory_bytes": limits.memory_bytes,
         "timeout_s": limits.timeout_s,
+        "init": None if init_shapes is None else {k: list(v) for k, v in init_shapes.items()},
     }
     with _lock:
         if _server is None or _server.proc.poll() is not None:
@@ -191,6 +197,8 @@ def _facts(spec: ModelSpec, raw: bytes) -> ModelFacts:
         answer = json.loads(raw)
         if answer.get("error") is not None:
             raise ConfigError(str(answer["error"]))
+        if answer.get("init") is not None:
+            raise WeightsMismatch(str(answer["init"]))
         facts = ModelFacts(**answer["facts"])
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise ConfigError(f"model {spec.name!r}: its check answered nonsense: {exc!r}") from exc
@@ -232,7 +240,12 @@ def _build(request: dict[str, Any]) -> dict[str, Any]:
             parameters=sum(p.numel() for p in params),
             parameter_bytes=sum(p.numel() * p.element_size() for p in params),
         )
-        return {"facts": asdict(facts)}
+        init = request.get("init")
+        problem = None
+        if init is not None:
+            file = {str(k): tuple(int(d) for d in v) for k, v in init.items()}
+            problem = mismatch(file, state_shapes(model.full()))
+        return {"facts": asdict(facts), "init": problem}
     except ConfigError as exc:  # it may quote what user code raised: keep the answer short
         return {"error": str(exc)[:_MAX_ERROR]}
     except (MemoryError, RuntimeError) as exc:  # torch's failed allocation is a RuntimeError

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.datasets._extra import need
 from common.datasets.images import Normalise, check_image_model, to_input
 from common.errors import ConfigError
+from common.extras import require
 from common.zoo import InputSpec
 
 __all__ = ["HfRows", "load_folder"]
@@ -29,7 +29,7 @@ def load_folder(path: Path, split: str, held_out_split: str | None) -> tuple[Any
         ConfigError: No such folder, not a saved dataset, or a split it does not have.
 
     """
-    datasets = need("datasets", "hf_folder")
+    datasets = require("datasets", "dataset.kind hf_folder")
     if not path.is_dir():
         raise ConfigError(f"dataset.path: folder {path} does not exist")
     try:
@@ -63,7 +63,7 @@ class HfRows:
             )
         if len(ds) == 0:
             raise ConfigError(f"dataset.path: {name} holds no rows")
-        datasets = need("datasets", "hf_folder")
+        datasets = require("datasets", "dataset.kind hf_folder")
         feature = ds.features[x_column]
         self.images = isinstance(feature, datasets.Image)
         self._x = ds.select_columns([x_column])

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.datasets._extra import need
 from common.errors import ConfigError
+from common.extras import require
 from common.zoo import InputSpec
 
 __all__ = ["IMAGE_SUFFIXES", "ImageFolder", "Normalise", "check_image_model", "to_input"]
@@ -56,7 +56,7 @@ def check_image_model(want: InputSpec, num_classes: int, classes: int, name: str
 
 def to_input(images: Sequence[Any], want: InputSpec, norm: Normalise) -> torch.Tensor:
     """PIL images as one ``(N, C, H, W)`` float32 batch shaped and normalised for `want`."""
-    image_mod = need("PIL.Image", "image_folder")
+    image_mod = require("PIL.Image", "dataset.kind image_folder")
     c, h, w = want.shape
     mode = "L" if c == 1 else "RGB"
     out = torch.empty(len(images), c, h, w, dtype=torch.float32)
@@ -124,7 +124,7 @@ class ImageFolder:
         self.norm.per_channel(want.shape[0], self.norm.std, "std")
 
     def _open(self, file: Path) -> Any:
-        image_mod = need("PIL.Image", "image_folder")
+        image_mod = require("PIL.Image", "dataset.kind image_folder")
         try:
             with image_mod.open(file) as img:
                 img.load()

@@ -335,3 +335,19 @@ def test_custom_factory_only_when_allow_listed(
 def test_custom_factory_name_is_bounded() -> None:
     with pytest.raises(ValueError, match="factory"):
         CustomData(factory="os.system('x'):make")
+
+
+def test_missing_pillow_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_images(tmp_path, {"a": 2, "b": 2})
+    data = open_data(job({"kind": "image_folder", "path": str(tmp_path)}), MODEL)
+    monkeypatch.setitem(sys.modules, "PIL.Image", None)  # an import of it now fails
+    with pytest.raises(ConfigError, match=r"image_folder needs the 'data' extra: pip install"):
+        data.train_batch(0, 1)
+
+
+def test_corrupt_safetensors_arrays_name_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "d.safetensors"
+    path.write_bytes(b"\x00" * 5)
+    with pytest.raises(ConfigError, match="is not readable safetensors") as caught:
+        open_split(ArraysData(path=path))
+    assert str(path) in str(caught.value)

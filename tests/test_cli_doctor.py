@@ -180,6 +180,13 @@ def test_each_way_the_coordinator_fails_has_its_fix(
     assert rows["keys"].status == ("ok" if reach == "busy" else "skipped")
 
 
+def test_a_failed_handshake_without_keys_is_not_a_coordinator() -> None:
+    rows = _rows("wrong_server_key", None)
+    assert rows["coordinator"].status == "problem"
+    assert "not a coordinator" in rows["coordinator"].summary
+    assert rows["keys"].status == "skipped"
+
+
 def test_an_answer_is_two_healthy_rows(worker_keys: CurveKeys) -> None:
     rows = _rows("answered", worker_keys)
     assert [c.status for c in rows.values()] == ["ok", "ok"]

@@ -182,14 +182,17 @@ def _key_file(keys: CurveKeys) -> Path:
 def coordinator_checks(v: Visit, keys: CurveKeys | None, timeout_s: float) -> list[Check]:
     """The `coordinator` and `keys` rows of a visit, each problem with its fix."""
     where = v.address
+    reach = v.reach
+    if reach == "wrong_server_key" and keys is None:  # no server key to blame: not a coordinator
+        reach = "not_zmq"
     as_whom = f"as {keys.role}:{keys.name}" if keys else "without keys (plain, loopback only)"
     start = (
         f"start it there: asteroid-coordinator --bind tcp://0.0.0.0:{_port(where)} --keys DIR "
         "(or pass the right --coordinator)"
     )
-    data: dict[str, Any] = {"address": where, "reach": v.reach}
+    data: dict[str, Any] = {"address": where, "reach": reach}
     keys_unknown = Check("keys", "skipped", "not known: no handshake with a coordinator")
-    if v.reach == "answered":
+    if reach == "answered":
         keys_ok = Check(
             "keys",
             "ok",
@@ -199,7 +202,7 @@ def coordinator_checks(v: Visit, keys: CurveKeys | None, timeout_s: float) -> li
             data={"role": keys.role if keys else None, "name": keys.name if keys else None},
         )
         return [Check("coordinator", "ok", f"answers at {where}", data=data), keys_ok]
-    if v.reach == "busy":
+    if reach == "busy":
         return [
             Check(
                 "coordinator",
@@ -211,10 +214,10 @@ def coordinator_checks(v: Visit, keys: CurveKeys | None, timeout_s: float) -> li
             ),
             Check("keys", "ok", f"the handshake {as_whom} succeeded"),
         ]
-    if v.reach in ("key_refused", "wrong_server_key", "mechanism"):
+    if reach in ("key_refused", "wrong_server_key", "mechanism"):
         up = Check("coordinator", "ok", f"listens at {where}", data=data)
-        return [up, _keys_problem(v.reach, keys, _host(where))]
-    if v.reach == "nothing":
+        return [up, _keys_problem(reach, keys, _host(where))]
+    if reach == "nothing":
         return [
             Check(
                 "coordinator",
@@ -225,7 +228,7 @@ def coordinator_checks(v: Visit, keys: CurveKeys | None, timeout_s: float) -> li
             ),
             keys_unknown,
         ]
-    if v.reach == "not_zmq":
+    if reach == "not_zmq":
         return [
             Check(
                 "coordinator",

@@ -93,7 +93,8 @@ def render(checks: Sequence[Check], console: Console) -> None:
         console.print()
         for c in fixes:
             console.print(f"{_MARK[c.status]} {shown(c.name)}: {shown(c.summary)}")
-            console.print(f"  fix: [bold]{shown(c.fix)}[/bold]")
+            label = "hint" if c.status == "skipped" else "fix"
+            console.print(f"  {label}: [bold]{shown(c.fix)}[/bold]")
     problems = sum(c.status == "problem" for c in checks)
     console.print()
     if problems:

@@ -78,6 +78,12 @@ bench-galaxy:  ## Galaxy serving on the edge testbed (root): galaxy, megatron, s
 bench-fl:  ## Eco-FL, FedAvg, FedAsync, FedAT, Astraea on the virtual-clock FL simulator (digits, non-IID)
 	$(BIN)/python -m tests.bench.bench_fl --out bench-results/fl
 
+.PHONY: gpu-check
+gpu-check:  ## on a machine with a CUDA GPU: the cuda-marked tests, then its profile, plan and samples/s against the CPU (bench-results/gpu/)
+	$(BIN)/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "gpu-check: torch sees no CUDA device (torch " + torch.__version__ + ")")'
+	$(PYTEST) -p no:cacheprovider -m cuda -rs tests/worker/test_cuda_stage.py tests/integration/test_cuda_mixed.py tests/galaxy/test_cuda_blocks.py
+	$(BIN)/python -m tests.bench.gpu_check --out bench-results/gpu
+
 bench-fl-homes:  ## Eco-FL, FedAvg, FedAsync, FedAT, Astraea with real homes on the edge testbed (root)
 	$(BIN)/python -m tests.bench.bench_fl_homes --out bench-results/fl-homes
 

@@ -196,7 +196,7 @@ def generate(
             logits = forward(feed if cache is not None else seq, w, config, cache)
             token = int(logits[-1].argmax())
             out.append(token)
-            nxt = torch.tensor([token], dtype=ids.dtype)
+            nxt = torch.tensor([token], dtype=ids.dtype, device=ids.device)
             seq, feed = torch.cat([seq, nxt]), nxt
     return out
 

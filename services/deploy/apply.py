@@ -1,8 +1,9 @@
 """The effectful shell of a deploy: read the key set, probe devices, run the actions.
 
-Everything that decides lives in `desired` and `reconcile`; this module only
-gathers their inputs (the key set, the local images' ids, each device's
-report) and carries out their actions over ssh, one bounded command each.
+Everything that decides lives in `machine`, `desired` and `reconcile`; this
+module only gathers their inputs (the key set, the local images' ids, each
+device's architecture and report) and carries out their actions over ssh, one
+bounded command each.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from services.deploy.desired import (
     FileSpec,
     bare_state,
     desired_state,
-    device_images,
+    device_repositories,
     needed_images,
 )
-from services.deploy.inventory import Inventory
+from services.deploy.inventory import Arch, Device, Inventory
+from services.deploy.machine import MACHINE_SCRIPT, Machine, image_arch, parse_machine
 from services.deploy.observe import DeviceReport, parse_report, probe_script
 from services.deploy.reconcile import Action, ServiceStatus, plan_down, plan_up, status_rows
 from services.deploy.ssh import Ssh, SshError
@@ -141,29 +143,54 @@ class Deployment:
     save: Callable[[str], list[str]] = field(default=lambda ref: ["docker", "save", ref])
     """The local command writing image `ref` as a tar stream (an image archive may stand in)."""
     _want: list[DesiredDevice] | None = None
+    _arches: dict[str, Arch] | None = None
+
+    def machine(self, dev: Device) -> Machine:
+        """What `dev` says its processor and Docker engine are (one ssh command)."""
+        return parse_machine(dev.name, Ssh.of(self.inv, dev).sh(MACHINE_SCRIPT))
+
+    def arches(self) -> dict[str, Arch]:
+        """Each device's image architecture, asked of the devices once (in parallel) and kept.
+
+        So one inventory holds amd64 and arm64 devices without anyone naming
+        which is which, and a deploy asks each device once however many steps
+        need the answer.
+        """
+        if self._arches is None:
+            devices = list(self.inv.devices)
+            with ThreadPoolExecutor(max_workers=min(8, len(devices))) as pool:
+                machines = list(pool.map(self.machine, devices))
+            self._arches = {
+                d.name: image_arch(d, m) for d, m in zip(devices, machines, strict=True)
+            }
+        return self._arches
+
+    def resolved(self) -> Inventory:
+        """The inventory with every device's architecture as the device reported it."""
+        return self.inv.with_arches(self.arches())
 
     def desired(self, images: Mapping[str, str] | None = None) -> list[DesiredDevice]:
-        """Every device's desired state (local image ids are looked up once)."""
+        """Every device's desired state (architectures and local image ids are found once)."""
         if self._want is None:
             ids = images if images is not None else local_image_ids(self.needed())
             self._want = desired_state(
-                self.inv, read_key_set(self.keys_dir), self.acl_template, ids, self.version
+                self.resolved(), read_key_set(self.keys_dir), self.acl_template, ids, self.version
             )
         return self._want
 
     def needed(self) -> set[str]:
-        """Local references of the images this inventory runs."""
-        return needed_images(self.inv, self.version)
+        """Local references of the images this inventory runs, each device's architecture's."""
+        return needed_images(self.resolved(), self.version)
 
     def _ssh(self, want: DesiredDevice) -> Ssh:
         return Ssh.of(self.inv, want.device)
 
     def probe(self, want: DesiredDevice) -> DeviceReport:
         """What the device has now (one ssh command)."""
-        refs = {c.image for c in want.containers} | device_images(
-            self.inv, want.device, self.version
+        repos = sorted(
+            {c.image.rsplit(":", 1)[0] for c in want.containers}
+            | device_repositories(self.inv, want.device)
         )
-        repos = sorted({ref.rsplit(":", 1)[0] for ref in refs})
         script = probe_script(self.inv.cluster, want.device.name, want.directory, repos)
         return parse_report(want.device.name, self._ssh(want).sh(script))
 

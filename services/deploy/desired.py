@@ -23,7 +23,7 @@ from typing import Literal
 from common.curve import COORDINATOR, FOLDERS
 from common.errors import ConfigError
 from services.deploy.credentials import PASSWORD_DIR, acl_file, redis_passwords, redis_url
-from services.deploy.inventory import Device, Inventory, Role
+from services.deploy.inventory import Arch, Device, Inventory, Role
 
 __all__ = [
     "LABEL",
@@ -37,8 +37,10 @@ __all__ = [
     "bare_state",
     "container_name",
     "desired_state",
+    "device_arch",
     "device_dir",
     "device_images",
+    "device_repositories",
     "image_ref",
     "local_ref",
     "needed_images",
@@ -155,12 +157,22 @@ class DesiredDevice:
     containers: tuple[ContainerSpec, ...] = ()
 
 
-def local_ref(kind: ImageKind, version: str, arch: str) -> str:
+def device_arch(dev: Device) -> Arch:
+    """The architecture of `dev`'s images, once known (the deploy asks each device first)."""
+    if dev.arch is None:
+        raise ConfigError(
+            f"device {dev.name}: its architecture is not known (the deploy asks the device "
+            "before it picks images)"
+        )
+    return dev.arch
+
+
+def local_ref(kind: ImageKind, version: str, arch: Arch) -> str:
     """An image as `make images` tags it here (deploy/images/build.sh: arm64 has a suffix)."""
     return f"asteroid-edge/{kind}:{version}" + ("" if arch == "amd64" else f"-{arch}")
 
 
-def image_ref(inv: Inventory, kind: ImageKind, version: str, arch: str) -> str:
+def image_ref(inv: Inventory, kind: ImageKind, version: str, arch: Arch) -> str:
     """The reference devices run an image by (the registry's copy when one is set)."""
     ref = local_ref(kind, version, arch)
     return f"{inv.registry}/{ref}" if inv.registry else ref
@@ -168,7 +180,17 @@ def image_ref(inv: Inventory, kind: ImageKind, version: str, arch: str) -> str:
 
 def device_images(inv: Inventory, dev: Device, version: str) -> set[str]:
     """References of the images `dev` runs, as the device knows them."""
-    return {image_ref(inv, IMAGE_OF[s], version, dev.arch) for r in dev.roles for s in SERVICES[r]}
+    arch = device_arch(dev)
+    return {image_ref(inv, IMAGE_OF[s], version, arch) for r in dev.roles for s in SERVICES[r]}
+
+
+def device_repositories(inv: Inventory, dev: Device) -> set[str]:
+    """Repositories (references without a tag) of the images `dev` may hold, of any arch."""
+    return {
+        image_ref(inv, IMAGE_OF[s], "0", "amd64").rsplit(":", 1)[0]
+        for r in dev.roles
+        for s in SERVICES[r]
+    }
 
 
 def bare_state(inv: Inventory) -> list[DesiredDevice]:
@@ -184,7 +206,7 @@ def bare_state(inv: Inventory) -> list[DesiredDevice]:
 def needed_images(inv: Inventory, version: str) -> set[str]:
     """Local references of every image some device of the inventory runs."""
     return {
-        local_ref(IMAGE_OF[s], version, d.arch)
+        local_ref(IMAGE_OF[s], version, device_arch(d))
         for d in inv.devices
         for r in d.roles
         for s in SERVICES[r]
@@ -290,7 +312,8 @@ def _container(
     version: str,
 ) -> ContainerSpec:
     kind = IMAGE_OF[service]
-    local = local_ref(kind, version, dev.arch)
+    arch = device_arch(dev)
+    local = local_ref(kind, version, arch)
     if local not in images:
         raise ConfigError(f"device {dev.name}: no image {local} here (build it: make images)")
     name = container_name(inv, dev.name, service)
@@ -310,7 +333,7 @@ def _container(
     spec = ContainerSpec(
         name=name,
         service=service,
-        image=image_ref(inv, kind, version, dev.arch),
+        image=image_ref(inv, kind, version, arch),
         image_id=images[local],
         args=args,
         env_file=env_file,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
@@ -26,12 +27,22 @@ from pydantic import (
 from common.curve import NAME_PATTERN
 from common.errors import ConfigError, validation_message
 
-__all__ = ["MAX_DEVICES", "Device", "Inventory", "Role", "load_inventory", "parse_inventory"]
+__all__ = [
+    "MAX_DEVICES",
+    "Arch",
+    "Device",
+    "Inventory",
+    "Role",
+    "load_inventory",
+    "parse_inventory",
+]
 
 MAX_DEVICES = 256
 """Most devices one inventory may name: far beyond an edge cluster, small enough to plan."""
 
 Role = Literal["control", "worker"]
+Arch = Literal["amd64", "arm64"]
+"""Image architectures `make images ARCH=...` builds."""
 
 _CLUSTER = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.:-]{0,252}$")
@@ -56,7 +67,11 @@ class Device(_Strict):
     ssh_identity: Path | None = Field(
         None, description="Private key file for ssh (default: ssh's)."
     )
-    arch: Literal["amd64", "arm64"] = Field("amd64", description="CPU architecture of the device.")
+    arch: Arch | None = Field(
+        None,
+        description="CPU architecture of the device's images, amd64 or arm64 (default: the "
+        "deploy asks the device, `uname -m`; given, it must agree).",
+    )
     roles: tuple[Role, ...] = Field(
         description="control (Redis, coordinator, planner), worker (worker, profiler), or both."
     )
@@ -201,6 +216,14 @@ class Inventory(_Strict):
     def control(self) -> Device:
         """The device running Redis, the coordinator and the planner."""
         return next(d for d in self.devices if "control" in d.roles)
+
+    def with_arches(self, arches: Mapping[str, Arch]) -> Inventory:
+        """A copy with each named device's architecture set (as learned from the device)."""
+        devices = tuple(
+            d.model_copy(update={"arch": arches[d.name]}) if d.name in arches else d
+            for d in self.devices
+        )
+        return self.model_copy(update={"devices": devices})
 
     def device(self, name: str) -> Device:
         """The device called `name`, else ConfigError."""

@@ -43,12 +43,17 @@ def key_set(root: Path, workers: tuple[str, ...] = ("w1", "w2")) -> dict[str, by
     return read_key_set(root)
 
 
+def known(inv: Inventory) -> Inventory:
+    """The inventory as a deploy sees it after asking its devices: amd64 where none is stated."""
+    return inv.with_arches({d.name: d.arch or "amd64" for d in inv.devices})
+
+
 def image_ids(inv: Inventory, salt: str = "") -> dict[str, str]:
     return {
         ref: "sha256:" + format(abs(hash(ref + salt)), "x").rjust(64, "0")[:64]
-        for ref in needed_images(inv, VERSION)
+        for ref in needed_images(known(inv), VERSION)
     }
 
 
 def desired(inv: Inventory, keys: dict[str, bytes], salt: str = "") -> list[DesiredDevice]:
-    return desired_state(inv, keys, ACL.read_text(), image_ids(inv, salt), VERSION)
+    return desired_state(known(inv), keys, ACL.read_text(), image_ids(inv, salt), VERSION)

@@ -8,7 +8,7 @@ import pytest
 from common.errors import ConfigError
 from services.deploy.credentials import acl_file, redis_passwords
 from services.deploy.desired import RUNTIME_UID
-from tests.deploy.fixtures import ACL, VERSION, desired, image_ids, inventory, key_set
+from tests.deploy.fixtures import ACL, VERSION, desired, image_ids, inventory, key_set, known
 
 
 def test_roles_give_their_containers_with_names_labels_and_limits(tmp_path):
@@ -145,7 +145,11 @@ def test_missing_keys_and_images_are_named(tmp_path):
 
     with pytest.raises(ConfigError, match=r"device w1: no image asteroid-edge/worker:1.2.3-arm64"):
         desired_state(
-            inventory(**data), key_set(tmp_path / "c"), ACL.read_text(), image_ids(inv), VERSION
+            known(inventory(**data)),
+            key_set(tmp_path / "c"),
+            ACL.read_text(),
+            image_ids(inv),
+            VERSION,
         )
 
 

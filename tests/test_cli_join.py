@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from common.exit_codes import ExitCode
 from services.cli import app
-from services.cli.join import check_address, child_commands, outcome
+from services.cli.join import check_accelerator, check_address, child_commands, outcome
 
 
 def start(service: str) -> list[str]:
@@ -35,6 +35,18 @@ def test_both_children_get_the_coordinator_and_key_set_and_no_redis_url() -> Non
         ],
     }
     assert not any("redis" in arg for cmd in cmds.values() for arg in cmd)
+
+
+def test_both_children_compute_on_the_accelerator_join_was_given() -> None:
+    cmds = child_commands(start, "tcp://h:5555", None, None, None, None, True, "cuda")
+    for name in ("worker", "profiler"):
+        assert cmds[name][-2:] == ["--accelerator", "cuda"], name
+
+
+def test_an_unknown_accelerator_is_a_usage_error() -> None:
+    assert check_accelerator("cpu") == "cpu" and check_accelerator(None) is None
+    with pytest.raises(typer.BadParameter, match="'tpu' is not one of auto, cpu, cuda"):
+        check_accelerator("tpu")
 
 
 def test_defaults_are_left_to_the_children() -> None:

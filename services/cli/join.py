@@ -21,13 +21,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, get_args
 
 import typer
 
 from common.entry_points import service_command
 from common.errors import ConfigError
 from common.exit_codes import ExitCode
+from common.settings import AcceleratorChoice
 
 __all__ = ["Outcome", "child_commands", "join", "outcome"]
 
@@ -50,6 +51,14 @@ def check_address(address: str) -> str:
     return address
 
 
+def check_accelerator(value: str | None) -> str | None:
+    """`--accelerator`: one of the values the worker and the profiler take, else a usage error."""
+    choices = get_args(AcceleratorChoice)
+    if value is not None and value not in choices:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}")
+    return value
+
+
 def child_commands(
     start: Callable[[str], list[str]],
     coordinator: str,
@@ -58,17 +67,20 @@ def child_commands(
     memory_budget: str | None,
     threads: int | None,
     profiler: bool,
+    accelerator: str | None = None,
 ) -> dict[str, list[str]]:
     """The worker's and (with `profiler`) the profiler's command lines, by name.
 
     `start(service)` is how a service is started (`common.entry_points`). Both
     get the coordinator and the key set, and no Redis URL: each learns Redis
     from the coordinator. They share the memory budget, so the profiler
-    measures the device the worker describes.
+    measures the device the worker describes, and the accelerator, so it
+    profiles the processor the worker computes on.
     """
     common = ["--coordinator", coordinator]
     common += ["--keys", str(keys)] if keys is not None else []
     budget = ["--memory-budget", memory_budget] if memory_budget else []
+    budget += ["--accelerator", accelerator] if accelerator else []
     worker = [*start("worker"), *common, *budget]
     worker += ["--device", device] if device else []
     worker += ["--threads", str(threads)] if threads else []
@@ -158,6 +170,14 @@ def join(
             help="Also run this device's profiler (one per kind of device is enough).",
         ),
     ] = True,
+    accelerator: Annotated[
+        str | None,
+        typer.Option(
+            help="auto (a CUDA GPU when torch sees one), cpu or cuda, for the worker and "
+            "the profiler alike (default: auto, or ASTEROID_ACCELERATOR).",
+            callback=check_accelerator,
+        ),
+    ] = None,
 ) -> None:
     """Join a cluster: run this device's worker and profiler until Ctrl-C or SIGTERM.
 
@@ -167,7 +187,14 @@ def join(
     """
     try:
         cmds = child_commands(
-            service_command, coordinator, keys, device, memory_budget, threads, profiler
+            service_command,
+            coordinator,
+            keys,
+            device,
+            memory_budget,
+            threads,
+            profiler,
+            accelerator,
         )
     except ConfigError as exc:  # not installed here
         typer.echo(f"error: {exc}", err=True)

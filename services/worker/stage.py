@@ -17,6 +17,7 @@ routes in `services.worker.evaluate`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import threading
 import time
@@ -67,6 +68,7 @@ __all__ = [
     "layers_state",
     "make_optimizer",
     "stage_layers",
+    "steps_on_host",
 ]
 
 StageState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]
@@ -76,6 +78,20 @@ StageState = tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]
 def blob_tensor(blob: bytes) -> torch.Tensor:
     """A blob as the one uint8 tensor frame a LayerState carries (a copy: bytes are read-only)."""
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def steps_on_host(compute: torch.device, replicas: int) -> bool:
+    """Whether a stage's optimizer steps a host copy of its weights rather than the GPU's.
+
+    Replicas of a stage must hold the same bits (the coordinator compares their
+    digests at each checkpoint). The all-reduce gives each the same gradient, but
+    a GPU's and a CPU's optimizer step may round differently (fused multiply-adds,
+    other kernels), and a data-parallel group may mix a Jetson with a Pi. So a
+    replicated stage on a GPU steps on the host, as its CPU peers do, and copies
+    the new weights to the GPU (a copy is exact); a stage alone, or on a CPU,
+    steps where it computes.
+    """
+    return compute.type != "cpu" and replicas > 1
 
 
 def make_optimizer(params: list[nn.Parameter], spec: OptimizerSpec) -> torch.optim.Optimizer:
@@ -278,8 +294,13 @@ class StageRunner:
         self.module.load_state_dict(weights)
         self.module.train()
         self._weights = weight_storages(self.module)  # not counted as held per micro-batch
-        self.optimizer = make_optimizer(list(self.module.parameters()), assign.job.optimizer)
-        restore_optimizer(self.module, self.optimizer, optim_state)
+        self.master = self.module
+        """The weights the optimizer steps and checkpoints read: the module itself, or for
+        a replicated stage on a GPU a host copy (`steps_on_host`)."""
+        if steps_on_host(self.compute, len(self.group)):  # its own tensors, not the zoo's layers
+            self.master = copy.deepcopy(self.module).to("cpu")
+        self.optimizer = make_optimizer(list(self.master.parameters()), assign.job.optimizer)
+        restore_optimizer(self.master, self.optimizer, optim_state)
         self.load_timings = {
             "build_s": t1 - t0,
             "read_s": t2 - t1,
@@ -394,6 +415,7 @@ class StageRunner:
         self.in_round = True
         self.pool.begin_round(round_no)
         self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)  # the same, unless the step is on the host
         if self.stash is not None:  # a window starts on the weights every update made
             self.stash.keep(set())
             self.stash.snapshot(0)
@@ -487,7 +509,7 @@ class StageRunner:
         lr = learning_rate(self.assign.job.optimizer, round_no, self.total_rounds)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        named = list(self.module.named_parameters())
+        named = list(self.master.named_parameters())
         require_finite(
             ((name, p.grad) for name, p in named if p.grad is not None),
             f"the gradient of round {round_no} on stage {self.p}",
@@ -495,6 +517,15 @@ class StageRunner:
         self.optimizer.step()
         require_finite(named, f"the weights after the step of round {round_no} at lr {lr:g}")
         self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not self.module:
+            with torch.no_grad():  # copies are exact: stepped weights in, statistics out
+                for live, stepped in zip(
+                    self.module.parameters(), self.master.parameters(), strict=True
+                ):
+                    live.copy_(stepped)
+                for live, kept in zip(self.module.buffers(), self.master.buffers(), strict=True):
+                    kept.copy_(live)
+            self.module.zero_grad(set_to_none=True)
         self._advance()
 
     def _update(self, state: RoundState, mb: int, stash: WeightStash) -> None:
@@ -640,16 +671,17 @@ class StageRunner:
 
         host = to_host(flat)  # a GPU's gradients cross once; a CPU's are reduced in place
         summed = ring_allreduce(host, self.rank, len(self.group), send, recv)
-        total = to_device(summed, self.compute)
+        # the optimizer's weights get the gradients where they are (`self.master`)
+        total = summed if self.master is not self.module else to_device(summed, self.compute)
         offset = 0
-        for tensor in params:
+        for tensor in self.master.parameters():
             n = tensor.numel()
             tensor.grad = total[offset : offset + n].view_as(tensor)
             offset += n
         with torch.no_grad():
             for b in buffers:
                 n = b.numel()
-                b.copy_(total[offset : offset + n].view_as(b))
+                b.copy_(summed[offset : offset + n].view_as(b))
                 offset += n
 
     def _forwarded(self, *_: object) -> None:
@@ -689,7 +721,7 @@ class StageRunner:
 
     def layers(self) -> dict[int, HeldLayer]:
         """A copy of the live stage state, layer by layer (serialised only when sent)."""
-        return stage_layers(self.module, self.optimizer, self.start)
+        return stage_layers(self.master, self.optimizer, self.start)
 
     def _replicate(self, version: int, layers: Mapping[int, HeldLayer]) -> None:
         """Send the state of `version` to this stage's backup node, layer by layer.
@@ -726,7 +758,7 @@ class StageRunner:
                         self.store,
                         self.assign.job.job_id,
                         round_no,
-                        self.module,
+                        self.master,
                         self.optimizer,
                         self.start,
                     ),
@@ -734,4 +766,4 @@ class StageRunner:
                     self.store_patience_s,
                     self._idle,
                 )
-        return layers, stage_digest(self.module, self.optimizer)
+        return layers, stage_digest(self.master, self.optimizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.checkpoint import stage_digest
 from common.errors import AsteroidError, RoundTimeoutError
 from common.job import JobSpec
 from common.plan import Plan
@@ -131,3 +132,54 @@ def test_evaluation_wait_is_bounded_and_restores_train_mode(store):
     with pytest.raises(RoundTimeoutError, match="evaluation activations of micro-batch 0"):
         runner.run_eval(0, 1)
     assert runner.module.training
+
+
+def test_a_replicated_stage_stepping_on_a_host_copy_matches_the_reference(store, monkeypatch):
+    """What a replicated stage on a GPU does (`steps_on_host`), forced here on the CPU.
+
+    The optimizer steps a separate host module and the computing module gets its
+    weights copied after each step: the run equals single-process training, each
+    replica's checkpoint digest agrees, and the copies hold the same bits.
+    """
+    monkeypatch.setattr(
+        "services.worker.stage.steps_on_host", lambda compute, replicas: replicas > 1
+    )
+    pipe = pipeline(store, SMALL_CNN, HYBRID, COSINE, 3)
+    losses = []
+    for r in range(3):
+        done = pipe.run("run_round", r)
+        losses.append(sum(done[d].loss_sum for d in pipe.last_stage()))
+    ref_final, ref_losses = reference_train(SMALL_CNN, 7, 32, 3, COSINE, dataset=HELD_OUT)
+    assert_matches_reference(pipe.weights(), ref_final)
+    assert_losses_match(losses, ref_losses)
+    for name, runner in pipe.runners.items():
+        assert (runner.master is not runner.module) == (name != "c"), name
+        for (key, live), (_, stepped) in zip(
+            runner.module.state_dict().items(), runner.master.state_dict().items(), strict=True
+        ):
+            assert torch.equal(live, stepped), (name, key)
+    digests = {name: stage_digest(r.master, r.optimizer) for name, r in pipe.runners.items()}
+    assert digests["a"] == digests["b"] and digests["d"] == digests["e"]
+
+
+def test_a_host_step_keeps_batchnorm_statistics_in_both_copies(store, monkeypatch):
+    model = {"name": "mobilenet_v2", "options": {"width_mult": 0.25}}  # 20 layers
+    stages = [
+        {"start": 0, "end": 12, "devices": [{"device": "a"}, {"device": "b"}]},
+        {"start": 12, "end": 20, "devices": [{"device": "c"}]},
+    ]
+    plain = pipeline(store, model, stages, COSINE, 2)
+    for r in range(2):
+        plain.run("run_round", r)
+    monkeypatch.setattr(
+        "services.worker.stage.steps_on_host", lambda compute, replicas: replicas > 1
+    )
+    hosted = pipeline(store, model, stages, COSINE, 2)
+    for r in range(2):
+        hosted.run("run_round", r)
+    assert_matches_reference(hosted.weights(), plain.weights(), tol=0.0)
+    for name in ("a", "b"):
+        runner = hosted.runners[name]
+        assert runner.master is not runner.module
+        for key, value in runner.master.state_dict().items():
+            assert torch.equal(value, runner.module.state_dict()[key]), (name, key)

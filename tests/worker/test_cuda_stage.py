@@ -3,8 +3,9 @@
 A whole hybrid plan's runners in one process, every one on the GPU, trained
 for a few rounds: the weights and losses match the plain single-process
 training of the same model on the same GPU within `GPU_TOLERANCE`, each
-group's replicas hold the same bits, and what crosses between stages, what a
-checkpoint holds and what a held layer keeps is host memory.
+group's replicas hold the same bits (their optimizer steps on the host), and
+what crosses between stages, what a checkpoint holds and what a held layer
+keeps is host memory.
 """
 
 from __future__ import annotations
@@ -72,9 +73,12 @@ def test_gpu_stages_match_gpu_single_process_training(store, exact_gpu):
     assert_losses_match(losses, ref_losses, tol=GPU_TOLERANCE)
     # replicas of a group hold the same bits: the all-reduce's one sum reached both
     for group in (("a", "b"), ("d", "e")):
-        digests = {stage_digest(pipe.runners[d].module, pipe.runners[d].optimizer) for d in group}
+        digests = {stage_digest(pipe.runners[d].master, pipe.runners[d].optimizer) for d in group}
         assert len(digests) == 1, f"replicas {group} differ"
-    # what leaves a stage is host memory; the optimizer's state stays on the GPU
+        for d in group:  # stepped on the host (`steps_on_host`), computed on the GPU
+            assert all(p.device.type == "cpu" for p in pipe.runners[d].master.parameters())
+            assert all(p.device == exact_gpu for p in pipe.runners[d].module.parameters())
+    # what leaves a stage is host memory; a lone stage's optimizer state stays on the GPU
     runner = pipe.runners["c"]
     for tensors in stage_tensors(runner.module, runner.optimizer, runner.start).values():
         assert all(t.device.type == "cpu" for t in tensors.values())

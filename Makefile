@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic bench-galaxy bench-fl bench-fl-homes bench-async bench-duanwu bench-duanwu-split images test-compose deploy deploy-status undeploy check clean
+.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic bench-galaxy bench-fl bench-fl-homes bench-async bench-duanwu bench-duanwu-split images test-compose test-arm64 deploy deploy-status undeploy check clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -100,6 +100,12 @@ ARCH ?= amd64
 
 images:  ## container images (worker, control, redis) from Debian packages and a wheelhouse; ARCH=amd64
 	PYTHON=$(BIN)/python deploy/images/build.sh --arch $(ARCH)
+
+ARM64_WORKER = asteroid-edge/worker:$$($(BIN)/python -c 'from common.version import VERSION; print(VERSION.replace("+", "-"))')-arm64
+
+test-arm64:  ## an arm64 worker container (qemu) beside amd64 workers trains exactly; builds the arm64 images if missing
+	@docker image inspect $(ARM64_WORKER) >/dev/null 2>&1 || $(MAKE) images ARCH=arm64
+	$(PYTEST) -p no:cacheprovider -m slow tests/integration/test_mixed_arch.py
 
 test-compose:  ## the docker-compose tests: deploy/compose.yaml trains, exports, survives a killed worker
 	$(PYTEST) -p no:cacheprovider -m integration tests/compose

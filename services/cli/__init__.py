@@ -2,7 +2,8 @@
 
 demo and up run a whole cluster on this machine; train, status, cancel, drain,
 export and federation work with a running service and its Redis; plan and profile look
-at plans and devices before training; doctor tells whether this device is ready to join. Exit codes: `common.exit_codes.ExitCode`.
+at plans and devices before training; doctor tells whether this device is ready to
+join. Exit codes: `common.exit_codes.ExitCode`.
 
 `main` is the installed `asteroid` command: a bad flag or setting there is
 one line on stderr and exit code 2, never a traceback.

@@ -523,8 +523,8 @@ class StageRunner:
                     self.module.parameters(), self.master.parameters(), strict=True
                 ):
                     live.copy_(stepped)
-                for live, kept in zip(self.module.buffers(), self.master.buffers(), strict=True):
-                    kept.copy_(live)
+                for buffer, kept in zip(self.module.buffers(), self.master.buffers(), strict=True):
+                    kept.copy_(buffer)
             self.module.zero_grad(set_to_none=True)
         self._advance()
 

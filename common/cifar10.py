@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.data import check_indices
 from common.errors import ConfigError
 from common.zoo import InputSpec, ZooModel
 
@@ -184,17 +185,7 @@ class Cifar10Images:
         return int(self._records.shape[0])
 
     def _check(self, indices: torch.Tensor) -> torch.Tensor:
-        if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int64:
-            got = indices.dtype if isinstance(indices, torch.Tensor) else type(indices).__name__
-            raise ConfigError(f"indices must be an int64 tensor, got {got}")
-        if indices.dim() != 1:
-            raise ConfigError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
-        n = len(self)
-        if indices.numel() and not (int(indices.min()) >= 0 and int(indices.max()) < n):
-            raise ConfigError(
-                f"indices must be in [0, {n}), got [{int(indices.min())}, {int(indices.max())}]"
-            )
-        return indices.cpu()
+        return check_indices(indices, len(self))
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return float32 images ``(N, 3, 32, 32)`` and int64 labels ``(N,)``."""

@@ -23,6 +23,7 @@ __all__ = [
     "Dataset",
     "SyntheticImages",
     "SyntheticTokens",
+    "check_indices",
     "dataset_for",
     "split_indices",
 ]
@@ -100,14 +101,24 @@ def _check_seed(seed: int) -> None:
         raise ConfigError(f"dataset seed must be an integer in [0, 2**63), got {seed!r}")
 
 
-def _check_indices(indices: torch.Tensor) -> torch.Tensor:
+def check_indices(indices: torch.Tensor, size: int | None = None) -> torch.Tensor:
+    """`indices` on the host, once they are 1-D int64 in [0, size) (unbounded: `size` None).
+
+    Every dataset's `batch` takes its indices from a peer-independent schedule,
+    but a wrong one must still be a clear error, never an out-of-range read.
+    """
     if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int64:
         got = indices.dtype if isinstance(indices, torch.Tensor) else type(indices).__name__
         raise ConfigError(f"indices must be an int64 tensor, got {got}")
     if indices.dim() != 1:
         raise ConfigError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
-    if indices.numel() and int(indices.min()) < 0:
-        raise ConfigError(f"indices must be >= 0, got minimum {int(indices.min())}")
+    if not indices.numel():
+        return indices.cpu()
+    low, high = int(indices.min()), int(indices.max())
+    if size is None and low < 0:
+        raise ConfigError(f"indices must be >= 0, got minimum {low}")
+    if size is not None and not (low >= 0 and high < size):
+        raise ConfigError(f"indices must be in [0, {size}), got [{low}, {high}]")
     return indices.cpu()
 
 
@@ -174,7 +185,7 @@ class SyntheticImages:
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return float32 images ``(N, *shape)`` and int64 labels ``(N,)``."""
-        indices = _check_indices(indices)
+        indices = check_indices(indices)
         labels = _labels(self._label_state, indices, self.num_classes)
         state = _per_index(self._noise_state, indices)
         noise = _unit_noise(state, self._numel) * self._noise_scale
@@ -183,7 +194,7 @@ class SyntheticImages:
 
     def labels(self, indices: torch.Tensor) -> torch.Tensor:
         """Return only the int64 labels of ``indices``, without building inputs."""
-        return _labels(self._label_state, _check_indices(indices), self.num_classes)
+        return _labels(self._label_state, check_indices(indices), self.num_classes)
 
 
 class SyntheticTokens:
@@ -226,7 +237,7 @@ class SyntheticTokens:
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return int64 token ids ``(N, seq_len)`` and int64 labels ``(N,)``."""
-        indices = _check_indices(indices)
+        indices = check_indices(indices)
         labels = _labels(self._label_state, indices, self.num_classes)
         state = _per_index(self._token_state, indices).unsqueeze(1)
         pos = torch.arange(self.input.shape[0] - 1, dtype=torch.int64)
@@ -241,7 +252,7 @@ class SyntheticTokens:
 
     def labels(self, indices: torch.Tensor) -> torch.Tensor:
         """Return only the int64 labels of ``indices``, without building inputs."""
-        return _labels(self._label_state, _check_indices(indices), self.num_classes)
+        return _labels(self._label_state, check_indices(indices), self.num_classes)
 
 
 def dataset_for(model: ZooModel, seed: int) -> Dataset:

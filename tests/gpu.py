@@ -1,4 +1,4 @@
-"""What CUDA tests share: their marks, exact GPU arithmetic, and training the plain way on a device.
+"""What CUDA tests share: their marks and exact GPU arithmetic.
 
 Every test that needs a GPU is marked `cuda` and skipped where torch sees none
 (`make gpu-check` runs them on a machine that has one). TensorFloat-32 is
@@ -12,16 +12,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
-from common.job import learning_rate
-from common.job_data import open_data
-from common.zoo import build_model
-from tests.reference import reference_job, reference_optimizer
 
 CUDA_MARKS = [
     pytest.mark.cuda,
@@ -52,31 +45,3 @@ def exact_cuda() -> Iterator[torch.device]:
             torch.backends.cudnn.deterministic,
             torch.backends.cudnn.benchmark,
         ) = saved
-
-
-def reference_train_on(
-    device: torch.device,
-    model: dict[str, Any],
-    seed: int,
-    global_batch: int,
-    rounds: int,
-    optimizer: dict[str, Any],
-) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """`tests.reference.reference_train` with the whole model on `device`; host weights back."""
-    job = reference_job(model, seed, optimizer, None, rounds)
-    zoo = build_model(job.model, seed)
-    net = zoo.full().to(device).train()
-    data = open_data(job, zoo)
-    spec = job.optimizer
-    opt = reference_optimizer(list(net.parameters()), spec)
-    losses = []
-    for r in range(rounds):
-        x, y = data.train_batch(r * global_batch, global_batch)
-        loss = nn.functional.cross_entropy(net(x.to(device)), y.to(device))
-        opt.zero_grad()
-        loss.backward()
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(spec, r, job.total_rounds())
-        opt.step()
-        losses.append(float(loss.detach()))
-    return {k: v.detach().to("cpu", copy=True) for k, v in net.state_dict().items()}, losses

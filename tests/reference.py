@@ -111,13 +111,15 @@ def reference_train(
     total_rounds: int | None = None,
     initial: Mapping[str, torch.Tensor] | None = None,
     init_from: Path | None = None,
+    device: torch.device | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train `rounds` steps of `global_batch` on one process; returns weights and losses.
 
     `total_rounds` is the job's length the schedule refers to (default `rounds`),
     so the weights after a prefix of a longer job can be computed too. `initial`:
     weights to start from instead of the seed's (a federated home's local rounds);
-    `init_from`: a job's ``init_from`` file, read whole the plain way.
+    `init_from`: a job's ``init_from`` file, read whole the plain way. `device`:
+    where the model computes (a GPU's run comes back as host copies).
     """
     job = reference_job(model, seed, optimizer, dataset, total_rounds or rounds)
     zoo = build_model(job.model, seed)
@@ -126,12 +128,16 @@ def reference_train(
         net.load_state_dict(initial)
     if init_from is not None:
         net.load_state_dict(load_file(init_from))
+    if device is not None:
+        net.to(device)
     data = open_data(job, zoo)
     spec = job.optimizer
     opt = reference_optimizer(list(net.parameters()), spec)
     losses = []
     for r in range(rounds):
         x, y = data.train_batch(r * global_batch, global_batch)
+        if device is not None:
+            x, y = x.to(device), y.to(device)
         loss = nn.functional.cross_entropy(net(x), y)
         opt.zero_grad()
         loss.backward()
@@ -139,6 +145,8 @@ def reference_train(
             group["lr"] = learning_rate(spec, r, job.total_rounds())
         opt.step()
         losses.append(float(loss.detach()))
+    if device is not None:
+        return {k: v.detach().to("cpu", copy=True) for k, v in net.state_dict().items()}, losses
     return net.state_dict(), losses
 
 

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from common.data import check_indices
 from common.errors import ConfigError
 from common.zoo import InputSpec, ZooModel
 
@@ -93,16 +94,7 @@ class RowData:
         return int(self._rows.numel())
 
     def _rows_of(self, indices: torch.Tensor) -> list[int]:
-        if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int64:
-            raise ConfigError("indices must be an int64 tensor")
-        if indices.dim() != 1:
-            raise ConfigError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
-        n = len(self)
-        if indices.numel() and not (int(indices.min()) >= 0 and int(indices.max()) < n):
-            raise ConfigError(
-                f"indices must be in [0, {n}), got [{int(indices.min())}, {int(indices.max())}]"
-            )
-        rows: list[int] = self._rows[indices.cpu()].tolist()
+        rows: list[int] = self._rows[check_indices(indices, len(self))].tolist()
         return rows
 
     def _checked_labels(self, labels: torch.Tensor, rows: list[int]) -> torch.Tensor:

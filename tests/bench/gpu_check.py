@@ -44,8 +44,8 @@ from common.zoo import ModelSpec, build_model
 from services.planner.base import get_planner
 from services.planner.cost import CostModel
 from services.profiler.layers import profile_model
-from tests.gpu import exact_cuda, reference_train_on
-from tests.reference import weight_difference
+from tests.gpu import exact_cuda
+from tests.reference import reference_train, weight_difference
 from tests.worker.local_pipeline import LocalPipeline
 
 SGD = {"kind": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(CPU_THREADS)
         exact = exact_cuda() if info.kind == "cuda" else contextlib.nullcontext()
         with exact:  # deterministic cuDNN, as the cuda-marked tests run
-            cpu_w, cpu_l = reference_train_on(CPU.device, {"name": "small_cnn"}, 7, 32, 5, SGD)
-            gpu_w, gpu_l = reference_train_on(info.device, {"name": "small_cnn"}, 7, 32, 5, SGD)
+            cpu_w, cpu_l = reference_train({"name": "small_cnn"}, 7, 32, 5, SGD, device=CPU.device)
+            gpu_w, gpu_l = reference_train({"name": "small_cnn"}, 7, 32, 5, SGD, device=info.device)
         key, diff = weight_difference(gpu_w, cpu_w)
         loss = max(abs(a - b) for a, b in zip(gpu_l, cpu_l, strict=True))
         return {"rounds": 5, "max_abs_weight_diff": diff, "worst_key": key, "max_loss_diff": loss}

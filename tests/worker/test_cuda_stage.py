@@ -19,8 +19,8 @@ from common.checkpoint import restore_optimizer, stage_digest, stage_tensors
 from common.job import JobSpec
 from common.plan import Plan
 from services.worker.stage import layers_state
-from tests.gpu import CUDA_MARKS, exact_cuda, reference_train_on
-from tests.reference import assert_losses_match, assert_matches_reference
+from tests.gpu import CUDA_MARKS, exact_cuda
+from tests.reference import assert_losses_match, assert_matches_reference, reference_train
 from tests.worker.local_pipeline import LocalPipeline
 
 pytestmark = CUDA_MARKS
@@ -68,7 +68,7 @@ def test_gpu_stages_match_gpu_single_process_training(store, exact_gpu):
     for r in range(ROUNDS):
         done = pipe.run("run_round", r)
         losses.append(sum(done[d].loss_sum for d in pipe.last_stage()))
-    ref, ref_losses = reference_train_on(exact_gpu, {"name": "small_cnn"}, 7, 32, ROUNDS, SGD)
+    ref, ref_losses = reference_train({"name": "small_cnn"}, 7, 32, ROUNDS, SGD, device=exact_gpu)
     assert_matches_reference(pipe.weights(), ref, tol=GPU_TOLERANCE)
     assert_losses_match(losses, ref_losses, tol=GPU_TOLERANCE)
     # replicas of a group hold the same bits: the all-reduce's one sum reached both

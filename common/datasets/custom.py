@@ -11,7 +11,6 @@ ConfigError naming the factory.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
@@ -20,6 +19,7 @@ import torch
 
 from common.errors import ConfigError
 from common.zoo import InputSpec
+from common.zoo.custom import allowed_source, import_user_module
 
 __all__ = ["FactoryRows", "data_factory", "make_dataset"]
 
@@ -48,20 +48,8 @@ def make_dataset(name: str, allowed_modules: Collection[str]) -> Any:
             something without ``len`` and ``[i]``.
 
     """
-    module_name, _, attr = name.partition(":")
-    if module_name not in allowed_modules:
-        listed = ", ".join(sorted(allowed_modules)) or "none"
-        raise ConfigError(
-            f"dataset.factory {name!r}: module {module_name!r} is not in this service's "
-            f"model_modules setting (ASTEROID_MODEL_MODULES / --model-modules; allowed: "
-            f"{listed}); a job cannot allow a module itself"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except _USER_CODE_ERRORS as exc:
-        raise ConfigError(
-            f"dataset.factory {name!r}: cannot import {module_name!r}: {exc!r}"
-        ) from exc
+    module_name, attr = allowed_source("dataset.factory", name, allowed_modules)
+    module = import_user_module(f"dataset.factory {name!r}", module_name)
     factory: Callable[[], object] | None = vars(module).get(attr)
     if factory is None or _FACTORIES.get(id(factory)) is not factory:
         raise ConfigError(

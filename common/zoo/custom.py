@@ -24,6 +24,7 @@ model, so that user code ends a job, never a service.
 import importlib
 import math
 from collections.abc import Callable, Collection
+from types import ModuleType
 from typing import TypeVar
 
 import torch
@@ -36,9 +37,11 @@ from common.zoo._types import IMAGE_INPUT, InputSpec, ModelSpec, ZooModel, has_b
 __all__ = [
     "MAX_INPUT_ELEMENTS",
     "MAX_VOCAB",
+    "allowed_source",
     "build_custom",
     "check_custom_options",
     "check_model_source",
+    "import_user_module",
     "is_custom_name",
     "model_factory",
 ]
@@ -104,18 +107,40 @@ def check_model_source(name: str, allowed_modules: Collection[str]) -> None:
         ConfigError: Names the field ``model.name``, the module and the setting.
 
     """
-    if not is_custom_name(name):
-        return
+    if is_custom_name(name):
+        allowed_source("model.name", name, allowed_modules)
+
+
+def allowed_source(field: str, name: str, allowed_modules: Collection[str]) -> tuple[str, str]:
+    """The module and attribute of `name` ("package.module:attr"), once the allow-list has it.
+
+    Nothing is imported: the job's `field` names the code, the service's own
+    ``model_modules`` setting decides whether it may run (custom models and
+    custom datasets alike).
+
+    Raises:
+        ConfigError: Names `field`, the module and the setting.
+
+    """
     module_name, _, attr = name.partition(":")
     if not module_name or not attr or ":" in attr:
-        raise ConfigError(f"custom model {name!r}: name must look like 'package.module:factory'")
+        raise ConfigError(f"{field} {name!r}: name must look like 'package.module:factory'")
     if module_name not in allowed_modules:
         listed = ", ".join(sorted(allowed_modules)) or "none"
         raise ConfigError(
-            f"model.name {name!r}: module {module_name!r} is not in this service's "
+            f"{field} {name!r}: module {module_name!r} is not in this service's "
             f"model_modules setting (ASTEROID_MODEL_MODULES / --model-modules; allowed: "
             f"{listed}); a job cannot allow a module itself"
         )
+    return module_name, attr
+
+
+def import_user_module(what: str, module_name: str) -> ModuleType:
+    """Import allow-listed `module_name`; whatever its code raises is a ConfigError on `what`."""
+    try:
+        return importlib.import_module(module_name)
+    except _USER_CODE_ERRORS as exc:  # any import-time failure is a bad spec, not a crash
+        raise ConfigError(f"{what}: cannot import module {module_name!r}: {exc!r}") from exc
 
 
 def _load_factory(spec: ModelSpec) -> Callable[[], object]:
@@ -124,12 +149,7 @@ def _load_factory(spec: ModelSpec) -> Callable[[], object]:
         raise ConfigError(
             f"custom model {spec.name!r}: name must look like 'package.module:factory'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except _USER_CODE_ERRORS as exc:  # any import-time failure is a bad spec, not a crash
-        raise ConfigError(
-            f"custom model {spec.name!r}: cannot import module {module_name!r}: {exc!r}"
-        ) from exc
+    module = import_user_module(f"custom model {spec.name!r}", module_name)
     # the module's own namespace only: no module __getattr__, no descriptor runs
     factory = vars(module).get(attr)
     if factory is None or not callable(factory):

@@ -37,7 +37,7 @@ import zmq
 from common.codec import Envelope, Limits, recv_message, send_message
 from common.curve import CurveKeys
 from common.errors import AsteroidError, ProtocolError
-from common.inbound import MemoryGuard
+from common.inbound import Guard
 from common.logging import get_logger
 from common.messages import (
     MAX_LINK_COUNT,
@@ -113,7 +113,7 @@ class BandwidthSink(threading.Thread):
         )
         self._sock, self.endpoint = bind_router(ctx, bind, self.limits, keys=keys, roles=roles)
         self._rebind = partial(reset_router, ctx=ctx, limits=self.limits, keys=keys, roles=roles)
-        self.guard: MemoryGuard | None = None
+        self.guard: Guard | None = None
         """Set before `start` (a worker's own): the socket is reset when the process outgrows it."""
         self.stale_s = stale_s
         self.stop = threading.Event()

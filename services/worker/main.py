@@ -204,10 +204,11 @@ class Worker:
         self.budget = accelerator_budget(self.accelerator, host, self.settings.memory_budget)
         # what peers may make this process hold in host memory: its training (on the
         # host unless a discrete GPU holds it), the pool's parts, a margin
-        self.receiver.guard = MemoryGuard.above_now(
+        guard = MemoryGuard.above_now(
             host + self.settings.pool_max_bytes + self.settings.inbound_margin
         )
-        self.sink.guard = self.receiver.guard  # whichever socket grew, it is reset in turn
+        # either socket may be the one flooded: both are reset at each excess
+        self.receiver.guard, self.sink.guard = guard.watch(), guard.watch()
         self.receiver.start()
         self.sink.start()
         self.dispatcher.start()

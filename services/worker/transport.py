@@ -24,7 +24,7 @@ import zmq
 from common.codec import Envelope, Limits, encode, recv_message
 from common.curve import CurveKeys
 from common.errors import ConfigError, ProtocolError
-from common.inbound import MemoryGuard
+from common.inbound import Guard
 from common.logging import get_logger
 from common.messages import Activation, Gradient, LayerState, Message, ReduceChunk
 from common.serving_messages import HmpTile
@@ -59,7 +59,7 @@ class Receiver(threading.Thread):
         self.ctx = ctx
         self.keys = keys
         self.limits = limits
-        self.guard: MemoryGuard | None = None
+        self.guard: Guard | None = None
         """Set before `start`: the socket is reset when the process outgrows it."""
         self.pool = pool
         self.stop = threading.Event()
@@ -91,7 +91,7 @@ class Receiver(threading.Thread):
         finally:
             self.sock.close(0)
 
-    def _reset(self, guard: MemoryGuard) -> None:
+    def _reset(self, guard: Guard) -> None:
         """A fresh data socket: peers' unfinished messages grew the process past `guard`."""
         log.warning(
             "reset the data socket: the process outgrew its memory limit (a peer sending "

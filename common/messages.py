@@ -584,12 +584,17 @@ class PlanRequest(WireModel):
 
 
 class PlanReply(WireModel):
-    """The planner's answer: the plan is in Redis under `plan:<job_id>`, or `error`."""
+    """The planner's answer: the plan itself, or `error`.
+
+    The plan travels in the reply: the coordinator, which asked, records the plan a
+    job runs on (`plan:<job_id>`), so Redis is never a mailbox between the two.
+    """
 
     type: Literal["plan_reply"] = "plan_reply"
     job_id: str
     ok: bool
     error: str = ""
+    plan: Plan | None = None
     predicted_round_s: float = 0.0
     current_round_s: float = Field(
         0.0, ge=0.0, description="The request's `current` plan's predicted round; 0: not asked."

@@ -162,6 +162,8 @@ class JobRun:
         self.total = total_rounds or job.total_rounds()
         self.state: JobState = "submitted"
         self.store = coord.store
+        self.cluster: ClusterSpec | None = None
+        """The cluster the job was last planned for (none yet, or resumed: read from Redis)."""
         self.vetting = Vetting(coord, coord.settings.probe_timeout_s)
         """Which devices a plan may name (claims as their fingerprint says, challenge answered)."""
         self.train_size = train_size(job, coord.settings.model_modules)
@@ -280,6 +282,7 @@ class JobRun:
             members, keys, budgets, base, settings.link_bandwidth, measured, slowdowns
         )
         self.store.put_json(cluster.model_dump(mode="json"), "cluster", self.jid)
+        self.cluster = cluster
         if state is not None:
             self.record(state, planner=job.planner)
         req = PlanRequest(
@@ -559,10 +562,12 @@ class JobRun:
         given for it, else 0 (unknown, so unlimited): the survivors' plan must fit
         the memory they really have, not just balance their speed.
         """
-        stored = self.store.get_json("cluster", self.jid)
-        if stored is None:
-            return None, None, None
-        cluster = ClusterSpec.model_validate(stored)
+        cluster = self.cluster
+        if cluster is None:  # resumed: the cluster an earlier coordinator planned for
+            stored = self.store.get_json("cluster", self.jid)
+            if stored is None:
+                return None, None, None
+            cluster = ClusterSpec.model_validate(stored)
         try:
             keys = sorted({d.profile for d in cluster.devices if d.profile})
             profiles = load_profiles(self.store, keys)

@@ -680,8 +680,11 @@ class Coordinator:
             self.collecting = False
 
     def request_plan(self, req: PlanRequest, timeout_s: float) -> Plan:
-        """Ask the planner service for a plan (it lands in Redis) and load it."""
-        return self.request_scored_plan(req, timeout_s)[0]
+        """Ask the planner service for a plan for job `req.job_id`, and record it."""
+        plan = self.request_scored_plan(req, timeout_s)[0]
+        doc = plan.model_dump(mode="json")
+        self.durable("storing the plan", lambda: self.store.put_json(doc, "plan", req.job_id))
+        return plan
 
     def request_scored_plan(self, req: PlanRequest, timeout_s: float) -> tuple[Plan, float]:
         """`request_plan`, and the planner's prediction of `req.current` (0: none)."""
@@ -702,10 +705,9 @@ class Coordinator:
             max(0.0, deadline - time.monotonic()),
             what="plan",
         )
-        if not reply.ok:
-            raise PlanError(f"planner {req.planner!r} failed: {reply.error}")
-        stored = self.durable("reading the plan", lambda: self.store.get_json("plan", req.job_id))
-        return Plan.model_validate(stored), reply.current_round_s
+        if not reply.ok or reply.plan is None:
+            raise PlanError(f"planner {req.planner!r} failed: {reply.error or 'no plan sent'}")
+        return reply.plan, reply.current_round_s
 
     # --- jobs -------------------------------------------------------------------
 

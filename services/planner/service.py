@@ -2,8 +2,8 @@
 
 The planner is a DEALER on the coordinator's control plane (identity
 "planner"), like every service: it announces itself periodically, answers
-each PlanRequest with a PlanReply, and writes the plan to Redis under
-`plan:<job>` so that the coordinator (and people) read it from one place.
+each PlanRequest with a PlanReply that carries the plan; the coordinator
+records the plan a job runs on.
 
 Exit codes (`common.exit_codes.ExitCode`): 0 stopped by SIGTERM/SIGINT, 2
 invalid settings, such as a `--keys` directory without this service's key or
@@ -44,7 +44,7 @@ IDENTITY = "planner"
 
 
 def make_plan(store: Store, req: PlanRequest) -> tuple[Plan, float]:
-    """Plan `req` with the named planner and store the result under `plan:<job>`.
+    """Plan `req` with the named planner (its profiles read from Redis).
 
     Also the predicted round of `req.current` on the same cluster (0 without
     one, or if it does not fit the cluster): a re-plan compares the two by the
@@ -54,7 +54,6 @@ def make_plan(store: Store, req: PlanRequest) -> tuple[Plan, float]:
         load_profiles(store, req.profiles), req.cluster, req.mode, req.aggregate_every > 0
     )
     plan = get_planner(req.planner).plan(cost, req.global_batch, req.microbatches)
-    store.put_json(plan.model_dump(mode="json"), "plan", req.job_id)
     current_s = 0.0
     if req.current is not None:
         try:
@@ -139,6 +138,7 @@ class PlannerService:
             PlanReply(
                 job_id=req.job_id,
                 ok=True,
+                plan=plan,
                 predicted_round_s=plan.predicted_round_s or 0.0,
                 current_round_s=current_s,
             )

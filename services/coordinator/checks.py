@@ -10,26 +10,65 @@ machine; on several, stage 0's devices read it).
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 
 from common.errors import ConfigError, DataPathError
 from common.init_weights import WeightsMismatch, init_header
 from common.job import JobSpec
-from common.job_data import train_size
+from common.job_data import eval_size, train_size
 from common.logging import get_logger
 from common.planner_names import PLANNER_NAMES
 from services.coordinator.model_probe import ProbeLimits, probe_model
 
-__all__ = ["check_job"]
+__all__ = ["CheckedJob", "check_job"]
 
 
 _LIMITS = ProbeLimits()
 log = get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class CheckedJob:
+    """A job spec that passed `check_job`, with what the check derived from it.
+
+    Checked once where the job enters (a submission, a run), then passed on as
+    one value, so nothing downstream builds the model or sizes the data again.
+
+    Attributes:
+        spec: The job as submitted.
+        rounds: Rounds it runs (its `epochs` turned into rounds, or `rounds`).
+        train_size: Training samples (None: an unbounded synthetic stream).
+        eval_size: Held-out samples one evaluation covers.
+        layers: The model's placeable layers (what a plan must cover).
+
+    """
+
+    spec: JobSpec
+    rounds: int
+    train_size: int | None
+    eval_size: int
+    layers: int
+
+    @property
+    def job_id(self) -> str:
+        """The job's id, as the queue and the records name it."""
+        return self.spec.job_id
+
+    def piece(self, spec: JobSpec) -> CheckedJob:
+        """The same checks for `spec`, a federated home's piece of this job.
+
+        A piece differs only in its id, seed and round count (its `epochs` over
+        the same data), so the model and data sizes carry over.
+        """
+        return CheckedJob(
+            spec, spec.total_rounds(self.train_size), self.train_size, self.eval_size, self.layers
+        )
+
+
 def check_job(
     job: JobSpec, allowed_modules: Collection[str] = (), limits: ProbeLimits = _LIMITS
-) -> int:
-    """The number of rounds `job` runs; ConfigError names the first field at fault.
+) -> CheckedJob:
+    """`job` with what it needs checked and derived; ConfigError names the first field at fault.
 
     `allowed_modules` is the checking service's own ``model_modules`` setting: a
     ``module:factory`` model outside it is refused before anything is imported.
@@ -45,7 +84,7 @@ def check_job(
         log.warning("refused a job's init_from path", job=job.job_id, reason=exc.detail)
         raise
     try:
-        probe_model(job.model, job.seed, allowed_modules, limits, shapes)
+        facts = probe_model(job.model, job.seed, allowed_modules, limits, shapes)
     except WeightsMismatch:
         raise
     except ConfigError as exc:
@@ -54,10 +93,12 @@ def check_job(
         raise ConfigError(f"planner: {job.planner!r} is not one of {sorted(PLANNER_NAMES)}")
     try:
         size = train_size(job, allowed_modules)
+        evals = eval_size(job, allowed_modules)
     except DataPathError as exc:  # the reason stays here: a submitter may be anyone
         log.warning("refused a job's dataset path", job=job.job_id, reason=exc.detail)
         raise
     try:
-        return job.total_rounds(size)
+        rounds = job.total_rounds(size)
     except ConfigError as exc:
         raise ConfigError(f"epochs: {exc}") from exc
+    return CheckedJob(job, rounds, size, evals, facts.layers)

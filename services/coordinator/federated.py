@@ -31,7 +31,7 @@ from common.federation_messages import (
 )
 from common.fl.data import label_histogram
 from common.fl.wire import state_frame, state_from_frame
-from common.job import FederatedSpec, JobSpec, check_job_id
+from common.job import FederatedSpec, check_job_id
 from common.job_data import open_data
 from common.logging import get_logger
 from common.message_base import WireModel
@@ -39,6 +39,7 @@ from common.messages import Message
 from common.plan import Plan
 from common.sockets import connect_dealer
 from common.zoo import build_model
+from services.coordinator.checks import CheckedJob
 from services.coordinator.jobs import JobCancelled, JobFailed, JobRun, JobSummary
 
 if TYPE_CHECKING:
@@ -128,10 +129,11 @@ class FederationLink:
 class FederatedRun:
     """Runs a job with a `federation` section as one home of that federation."""
 
-    def __init__(self, coord: Coordinator, job: JobSpec) -> None:
+    def __init__(self, coord: Coordinator, checked: CheckedJob) -> None:
+        job = checked.spec
         if job.federation is None:
             raise ConfigError(f"job {job.job_id} has no federation section")
-        self.coord, self.job, self.spec = coord, job, job.federation
+        self.coord, self.checked, self.job, self.spec = coord, checked, job, job.federation
         self.federation = job.federation.federation_id
         self.pieces = 0
         self.model = build_model(job.model, job.seed, coord.settings.model_modules)
@@ -232,11 +234,10 @@ class FederatedRun:
         piece = job.model_copy(
             update={"job_id": piece_id, "federation": None, "seed": job.seed + self.pieces}
         )
-        total = piece.total_rounds(open_data(piece, self.model).train_size)
-        coord.durable(
-            f"registering {piece_id}", lambda: coord.register(piece, total, forget_old=True)
-        )
-        summary = JobRun(coord, piece, total, initial=start).run(plan)
+        checked = self.checked.piece(piece)
+        total = checked.rounds
+        coord.durable(f"registering {piece_id}", lambda: coord.register(checked, forget_old=True))
+        summary = JobRun(coord, checked, initial=start).run(plan)
         state = coord.durable(
             f"reading the model of {piece_id}",
             lambda: load_full_state(coord.store, piece_id, total),

@@ -33,8 +33,6 @@ from common.checkpoint import (
 from common.errors import AsteroidError, ConfigError, StoreUnavailable
 from common.ids import DeviceId
 from common.init_weights import load_init
-from common.job import JobSpec
-from common.job_data import eval_size, train_size
 from common.lifecycle import TERMINAL, JobState, advance
 from common.logging import bind_global, get_logger
 from common.messages import LinksMeasured, PlanRequest
@@ -44,6 +42,7 @@ from common.secrets import mask_text
 from common.store import OUTAGE
 from common.zoo import build_model
 from services.coordinator import driver, links
+from services.coordinator.checks import CheckedJob
 from services.coordinator.core import Beats, Heard, Log, SendProbe
 from services.coordinator.driver import (
     Append,
@@ -148,26 +147,24 @@ class JobRun:
     def __init__(
         self,
         coord: Coordinator,
-        job: JobSpec,
-        total_rounds: int | None = None,
+        checked: CheckedJob,
         initial: Mapping[str, Tensor] | None = None,
     ) -> None:
-        """Ready a run of `job`; `total_rounds` overrides the spec's count.
+        """Ready a run of the `checked` job.
 
         `initial`: the whole model's weights to start from instead of the seed's
         (a federated home's local rounds start from the federation's model).
         """
-        self.coord, self.job, self.jid = coord, job, job.job_id
+        self.coord, self.checked = coord, checked
+        self.job, self.jid = checked.spec, checked.job_id
         self.initial = initial
-        self.total = total_rounds or job.total_rounds()
+        self.total = checked.rounds
         self.state: JobState = "submitted"
         self.store = coord.store
         self.cluster: ClusterSpec | None = None
         """The cluster the job was last planned for (none yet, or resumed: read from Redis)."""
         self.vetting = Vetting(coord, coord.settings.probe_timeout_s)
         """Which devices a plan may name (claims as their fingerprint says, challenge answered)."""
-        self.train_size = train_size(job, coord.settings.model_modules)
-        """Samples of the training set (None: unbounded), for the sample ledger."""
         root = coord.settings.metrics_dir
         self.stream: MetricsStream | None = None
         """Files the committed metrics are copied to as they are recorded (`metrics_dir`)."""
@@ -377,10 +374,8 @@ class JobRun:
         coordinator); any that cannot sends the job back to the checkpoint.
         """
         job, jid, coord = self.job, self.jid, self.coord
-        model = build_model(job.model, job.seed, coord.settings.model_modules).full()
-        if self.initial is not None:
-            model.load_state_dict(self.initial)
-        plan.validate_for(len(model))
+        layers = self.checked.layers
+        plan.validate_for(layers)
         if job.mode == "async":
             validate_async(plan)
         store = self.store
@@ -398,12 +393,15 @@ class JobRun:
             start = committed
         if start is None:  # a fresh start; a resumed job goes on from its checkpoint
             start = 0
-            if self.initial is None and job.init_from is not None:
+            model = build_model(job.model, job.seed, coord.settings.model_modules).full()
+            if self.initial is not None:
+                model.load_state_dict(self.initial)
+            elif job.init_from is not None:
                 load_init(job.init_from, model)
 
             def initial() -> None:
                 save_stage(store, jid, 0, model, None, 0)
-                commit_checkpoint(store, jid, 0, len(model))
+                commit_checkpoint(store, jid, 0, layers)
 
             coord.durable("saving the initial weights", initial)
         s = coord.settings
@@ -418,15 +416,15 @@ class JobRun:
         run, commands = driver.start(
             job,
             self.total,
-            len(model),
-            self.train_size,
+            layers,
+            self.checked.train_size,
             limits,
             plan,
             start,
             from_peers,
             costs,
             memory,
-            eval_size(job, coord.settings.model_modules),
+            self.checked.eval_size,
         )
         run, more = driver.apply(run, Beats(coord.members), time.monotonic())
         run = self._carry_out(run, [*commands, *more])

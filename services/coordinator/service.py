@@ -60,7 +60,7 @@ from common.settings import CoordinatorSettings
 from common.sockets import bind_router, reset_router
 from common.store import OUTAGE, REFUSED, Store
 from common.version import VERSION
-from services.coordinator.checks import check_job
+from services.coordinator.checks import CheckedJob, check_job
 from services.coordinator.core import (
     Beats,
     Complete,
@@ -222,8 +222,8 @@ class Coordinator:
         self._next_link_nonce = 1
         self.bad_messages = 0
         self.services: dict[str, float] = {}
-        self.queue: deque[tuple[JobSpec | ServeSpec, int]] = deque()
-        """Jobs waiting to run, training (with their rounds) and serving, in arrival order."""
+        self.queue: deque[CheckedJob | ServeSpec] = deque()
+        """Jobs waiting to run, training (checked) and serving, in arrival order."""
         self.infer_queue = infer_queue()
         """Inference requests for the running serving job, waiting their turn."""
         self.running: str | None = None
@@ -724,29 +724,29 @@ class Coordinator:
         (delete it first) says what to do with it: starting a job never deletes
         another run's checkpoints by itself.
         """
-        total = check_job(job, self.settings.model_modules, probe_limits(self.settings))
+        checked = check_job(job, self.settings.model_modules, probe_limits(self.settings))
         committed = 0
 
         def admit_job() -> None:
             nonlocal committed
             if resume:
-                self._check_resumable(job.job_id, total)
+                self._check_resumable(job.job_id, checked.rounds)
                 # the rounds an earlier coordinator committed: its workers may still hold them
                 committed = int(self.store.get_fields("job", job.job_id).get("round", 0) or 0)
             else:
                 self._check_fresh(job.job_id, replace, "--replace")
-            self.register(job, total, forget_old=replace and not resume)
+            self.register(checked, forget_old=replace and not resume)
 
         self.durable(f"registering job {job.job_id}", admit_job)
-        return self._run(job, total, plan, resume, committed)
+        return self._run(checked, plan, resume, committed)
 
     def _run(
-        self, job: JobSpec, total: int, plan: Plan | None, resume: bool, committed: int
+        self, checked: CheckedJob, plan: Plan | None, resume: bool, committed: int
     ) -> JobSummary:
         """Run a registered job: as one home of a federation if it says so, else plainly."""
-        if job.federation is not None:
-            return FederatedRun(self, job).run(plan)
-        return JobRun(self, job, total).run(plan, resume, committed)
+        if checked.spec.federation is not None:
+            return FederatedRun(self, checked).run(plan)
+        return JobRun(self, checked).run(plan, resume, committed)
 
     def _existing(self, jid: str) -> str | None:
         """What Redis already holds for job id `jid` (its state, or its checkpoints), else None."""
@@ -791,13 +791,13 @@ class Coordinator:
             self.pump(0.2)
             if not self.queue:
                 continue
-            job, total = self.queue.popleft()
+            job = self.queue.popleft()
             summary = None
             try:
                 if isinstance(job, ServeSpec):
                     ServeRun(self, job).run()
                 else:
-                    summary = self._run(job, total, None, False, 0)
+                    summary = self._run(job, None, False, 0)
             except AsteroidError as exc:
                 log.error("job ended", job=job.job_id, error=str(exc))
             except Exception as exc:  # one job's unforeseen error ends that job, not the service
@@ -817,26 +817,27 @@ class Coordinator:
 
     def submit(self, job: JobSpec, replace: bool = False) -> None:
         """Check `job` and queue it; ConfigError says what is wrong and nothing starts."""
-        total = check_job(job, self.settings.model_modules, probe_limits(self.settings))
+        checked = check_job(job, self.settings.model_modules, probe_limits(self.settings))
         state = self.store.get_fields("job", job.job_id).get("state")
-        if state in ACTIVE or any(q.job_id == job.job_id for q, _ in self.queue):
+        if state in ACTIVE or any(q.job_id == job.job_id for q in self.queue):
             raise ConfigError(f"job_id: job {job.job_id} is already {state or 'queued'}")
         self._check_fresh(job.job_id, replace, "submit with --replace")
-        self.register(job, total, forget_old=replace)
-        self.queue.append((job, total))
+        self.register(checked, forget_old=replace)
+        self.queue.append(checked)
 
     def write_state(self, jid: str, state: str, **extra: Any) -> None:
         """Write a job's state: its hash and its events stream."""
         self.store.set_fields({"state": state, "updated": time.time(), **extra}, "job", jid)
         self.store.append("events", jid, {"event": state, **extra})
 
-    def register(self, job: JobSpec, total: int, forget_old: bool = False) -> None:
+    def register(self, checked: CheckedJob, forget_old: bool = False) -> None:
         """Record the job as submitted; with `forget_old`, delete an earlier run of this id.
 
         Only an operator's explicit replace sets `forget_old`; otherwise an earlier
         run's checkpoints, metrics and events stay (a resumed job continues from
         them, and a new id has none).
         """
+        job = checked.spec
         jid = check_job_id(job.job_id, "the job spec")  # it names keys to delete below
         if forget_old:
             parts = ("job", "events", "metrics", "plan", "cluster")
@@ -844,7 +845,12 @@ class Coordinator:
             self.store.delete_prefix("ckpt", jid, "")
         self.store.put_json(job.model_dump(mode="json"), "jobspec", jid)
         self.store.set_fields(
-            {"state": "submitted", "submitted": time.time(), "total_rounds": total, "round": 0},
+            {
+                "state": "submitted",
+                "submitted": time.time(),
+                "total_rounds": checked.rounds,
+                "round": 0,
+            },
             "job",
             jid,
         )
@@ -912,7 +918,7 @@ class Coordinator:
         jid = msg.spec.serve_id
         try:
             state = self.store.get_fields("job", jid).get("state")
-            if state in ACTIVE or any(q.job_id == jid for q, _ in self.queue):
+            if state in ACTIVE or any(q.job_id == jid for q in self.queue):
                 raise ConfigError(f"serve_id: job {jid} is already {state or 'queued'}")
             self.store.put_json(msg.spec.model_dump(mode="json"), "jobspec", jid)
             self.store.set_fields(
@@ -930,7 +936,7 @@ class Coordinator:
             error = str(self.store.refusal(exc, f"recording serving job {jid}"))
             self.send(DeviceId(peer), JobReply(job_id=jid, ok=False, error=error))
             return
-        self.queue.append((msg.spec, 0))
+        self.queue.append(msg.spec)
         log.info("serving job submitted", job=jid, by=peer)
         self.send(DeviceId(peer), JobReply(job_id=jid, ok=True))
 
@@ -948,9 +954,9 @@ class Coordinator:
 
     def _on_cancel(self, peer: str, msg: CancelJob) -> None:
         jid = msg.job_id  # matched the job-id pattern when the message was decoded
-        queued = [q for q, _ in self.queue if q.job_id == jid]
+        queued = [q for q in self.queue if q.job_id == jid]
         if queued:
-            self.queue = deque((q, t) for q, t in self.queue if q.job_id != jid)
+            self.queue = deque(q for q in self.queue if q.job_id != jid)
             self.write_soon(
                 f"job {jid} cancelled",
                 partial(self.write_state, jid, "cancelled", reason=msg.reason),

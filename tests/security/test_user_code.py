@@ -140,7 +140,7 @@ def test_check_job_passes_the_services_allow_list_only(modules):
     job = JOB.model_copy(update={"model": ModelSpec(name=f"{name}:fine")})
     with pytest.raises(ConfigError, match=r"^model: model.name .* is not in"):
         check_job(job)
-    assert check_job(job, [name]) == 10
+    assert check_job(job, [name]).rounds == 10
 
 
 def test_the_setting_comes_from_the_environment_or_a_flag_and_defaults_to_none(monkeypatch):

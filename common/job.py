@@ -10,14 +10,13 @@ is started.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from common.errors import ConfigError
-from common.ids import JobId
+from common.ids import JOB_ID_PATTERN, JobId, check_job_id
 from common.zoo import ModelSpec, parameter_count
 
 __all__ = [
@@ -46,10 +45,6 @@ __all__ = [
 ]
 
 
-JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-"""A job id: it becomes part of Redis keys (``ckpt:<id>:...``), so it never holds ``:``,
-glob characters (``*?[]``), spaces or a leading dot or dash, and stays short."""
-
 MAX_CLASSES = 100_000
 """Largest ``model.num_classes``: beyond any real label set, far below what crashes a build."""
 
@@ -70,26 +65,6 @@ and more than 40x the largest model in the zoo."""
 _MAX_SAMPLES = 1 << 40
 _MAX_EVAL = 1 << 24
 _MAX_SEED = 2**63 - 1
-_JOB_ID = re.compile(JOB_ID_PATTERN)
-
-
-def check_job_id(value: object, sender: str = "the request") -> JobId:
-    """Return `value` as a JobId if it matches `JOB_ID_PATTERN`, else raise ConfigError.
-
-    Every boundary that takes a job id from outside (a job file, a SubmitJob or
-    CancelJob, the CLI) calls this, so that no id can widen a Redis key into a
-    pattern or reach into another job's keys.
-
-    Raises:
-        ConfigError: Names the sender, the pattern and the value received.
-
-    """
-    if not isinstance(value, str) or not _JOB_ID.fullmatch(value):
-        raise ConfigError(
-            f"job_id from {sender}: expected 1-64 letters, digits, '.', '_' or '-' starting "
-            f"with a letter or digit (pattern {JOB_ID_PATTERN}), got {value!r}"
-        )
-    return JobId(value)
 
 
 class _Strict(BaseModel):

@@ -163,6 +163,13 @@ class Store:
                 f"Redis at {self.where} does not answer: {mask_text(str(exc))}"
             ) from exc
 
+    def probe(self) -> None:
+        """PING, raising the client's own error: a step that only needs Redis there rides it out.
+
+        Unlike `ping`, an outage stays an OUTAGE error, so `ride_out` waits for it.
+        """
+        self.r.ping()
+
     def server_time(self) -> float:
         """Redis's clock (TIME), seconds since the epoch: a reference to compare this host's with.
 
@@ -209,6 +216,42 @@ class Store:
         """A JSON document, or None when absent."""
         raw = self.r.get(self.key(*parts))
         return None if raw is None else json.loads(raw)
+
+    def put_jsons(self, docs: Iterable[tuple[tuple[object, ...], Any]]) -> None:
+        """Store several JSON documents, each `(parts, value)`, in one MULTI/EXEC.
+
+        A reader sees all of them or none: a checkpoint's manifest and the
+        `latest` pointer to it are published together.
+        """
+        pipe = self.r.pipeline(transaction=True)
+        for parts, value in docs:
+            pipe.set(self.key(*parts), json.dumps(value))
+        pipe.execute()
+
+    # --- counters and exact keys ----------------------------------------------
+
+    def incr(self, *parts: object) -> int:
+        """Add one to a counter (0 when absent) and return its new value."""
+        return int(self.r.incr(self.key(*parts)))
+
+    def increment_field(self, field: str, *parts: object, by: int = 1) -> int:
+        """Add `by` to an integer field of a hash and return its new value."""
+        return int(self.r.hincrby(self.key(*parts), field, by))
+
+    def delete(self, *names: str | bytes) -> int:
+        """Delete the exact keys `names` (from `key` or `keys`, never a pattern); how many went."""
+        return int(self.r.delete(*names)) if names else 0
+
+    # --- sorted sets ----------------------------------------------------------
+
+    def add_ranked(self, member: str, score: float, *parts: object) -> None:
+        """Add `member` to a sorted set with `score` (or move it there)."""
+        self.r.zadd(self.key(*parts), {member: score})
+
+    def top_ranked(self, count: int, *parts: object) -> list[str]:
+        """Up to `count` members of a sorted set, highest score first."""
+        raw = cast(list[bytes], self.r.zrevrange(self.key(*parts), 0, max(0, count - 1)))
+        return [m.decode() for m in raw] if count > 0 else []
 
     # --- chunked blobs --------------------------------------------------------
 
@@ -293,6 +336,14 @@ class Store:
         for _, fields in entries:
             out.append({k.decode(): json.loads(v) for k, v in fields.items()})
         return out
+
+    def read_entries(self, stream: str, job: str) -> list[tuple[str, dict[str, Any]]]:
+        """Every entry of a stream with its id (``<ms>-<seq>``, Redis's clock), oldest first."""
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], self.r.xrange(self.key(stream, job)))
+        return [
+            (entry_id.decode(), {k.decode(): json.loads(v) for k, v in fields.items()})
+            for entry_id, fields in entries
+        ]
 
     def read_after(self, stream: str, job: str, after: str) -> tuple[list[dict[str, Any]], str]:
         """Entries newer than id `after` ("0" for all) and the id of the newest one read."""

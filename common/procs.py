@@ -14,29 +14,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-__all__ = ["spawn", "stop_all", "stop_on_signals"]
+__all__ = ["spawn", "stop_all"]
 
 _PR_SET_PDEATHSIG = 1
-
-
-def stop_on_signals(stopping: threading.Event) -> None:
-    """Set `stopping` on SIGTERM (what `stop_all` and the parent-death signal send) or SIGINT.
-
-    For a service whose loop watches the event: it finishes what it is doing
-    and returns, instead of dying mid-write.
-    """
-
-    def _stop(signum: int, _: object) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child

@@ -8,7 +8,6 @@ exits with a named exit code.
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 
@@ -16,11 +15,11 @@ import redis
 import yaml
 from pydantic import ValidationError
 
-from common.cli_args import parse_settings
+from common.bootstrap import Stop, run_service
 from common.errors import AsteroidError, ConfigError, StoreError
 from common.exit_codes import ExitCode
 from common.job import JobSpec, load_job
-from common.logging import configure_logging, get_logger
+from common.logging import get_logger
 from common.messages import PlanRequest
 from common.plan import Plan, load_plan
 from common.profile import ClusterSpec
@@ -33,10 +32,6 @@ from services.coordinator.service import Coordinator
 __all__ = ["main", "redis_problem", "run"]
 
 log = get_logger(__name__)
-
-
-def _interrupt(signum: int, _: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _plan(coord: Coordinator, settings: CoordinatorSettings, job: JobSpec) -> Plan:
@@ -159,13 +154,15 @@ def run(settings: CoordinatorSettings) -> ExitCode:
         coord.close()
 
 
+def _body(settings: CoordinatorSettings, stop: Stop) -> ExitCode:
+    """`run`, unwound by KeyboardInterrupt at a stop: its waits (`pump`) watch no event."""
+    with stop.interrupting():
+        return run(settings)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `asteroid-coordinator`."""
-    settings = parse_settings(CoordinatorSettings, argv, "asteroid-coordinator")
-    configure_logging(settings.log_level, settings.log_format)
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    sys.exit(int(run(settings)))
+    sys.exit(run_service("coordinator", CoordinatorSettings, _body, argv))
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ import sys
 
 import zmq
 
-from common.cli_args import parse_settings
+from common.bootstrap import Stop, run_service
 from common.errors import ConfigError, StoreError
 from common.exit_codes import ExitCode
 from common.fl.spec import load_federation
-from common.logging import configure_logging, get_logger
-from common.procs import stop_on_signals
+from common.logging import get_logger
 from common.settings import FederationSettings
 from services.federation.service import FederationService
 
@@ -24,7 +23,7 @@ __all__ = ["main", "run"]
 log = get_logger(__name__)
 
 
-def run(settings: FederationSettings) -> ExitCode:
+def run(settings: FederationSettings, stop: Stop) -> ExitCode:
     """Serve the federation in `settings.spec`; a bad setting is one log line, not a trace."""
     try:
         spec = load_federation(settings.spec)
@@ -39,16 +38,14 @@ def run(settings: FederationSettings) -> ExitCode:
         log.error("cannot bind", address=settings.bind, error=str(exc))
         return ExitCode.CONFIG
 
-    stop_on_signals(service.stopping)
+    stop.on_stop(lambda _: service.stopping.set())
     service.serve()
     return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `asteroid-federation`."""
-    settings = parse_settings(FederationSettings, argv, "asteroid-federation")
-    configure_logging(settings.log_level, settings.log_format, service="federation")
-    sys.exit(int(run(settings)))
+    sys.exit(run_service("federation", FederationSettings, run, argv))
 
 
 if __name__ == "__main__":

@@ -20,15 +20,14 @@ from typing import Any
 
 import zmq
 
-from common.cli_args import parse_settings
+from common.bootstrap import Stop, run_service
 from common.codec import Limits, encode, recv_message
 from common.curve import service_keys
 from common.errors import AsteroidError, ConfigError, ProtocolError
 from common.exit_codes import ExitCode
-from common.logging import configure_logging, get_logger
+from common.logging import get_logger
 from common.messages import PlanReply, PlanRequest, ServiceHello
 from common.plan import Plan
-from common.procs import stop_on_signals
 from common.profile import load_profiles
 from common.settings import CommonSettings
 from common.sockets import connect_dealer
@@ -145,7 +144,7 @@ class PlannerService:
         )
 
 
-def run(settings: CommonSettings) -> ExitCode:
+def run(settings: CommonSettings, stop: Stop) -> ExitCode:
     """Serve until SIGTERM or SIGINT (exit code OK); a bad setting is one log line, not a trace."""
     try:
         service = PlannerService(settings)
@@ -156,16 +155,14 @@ def run(settings: CommonSettings) -> ExitCode:
         log.error("invalid coordinator address", address=settings.coordinator, error=str(exc))
         return ExitCode.CONFIG
 
-    stop_on_signals(service.stopping)
+    stop.on_stop(lambda _: service.stopping.set())
     service.serve()
     return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `asteroid-planner`."""
-    settings = parse_settings(CommonSettings, argv, "asteroid-planner")
-    configure_logging(settings.log_level, settings.log_format, service=IDENTITY)
-    sys.exit(int(run(settings)))
+    sys.exit(run_service(IDENTITY, CommonSettings, run, argv))
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import threading
 import time
 
 import redis
@@ -37,7 +35,7 @@ from common.accelerator import (
     describe_accelerator,
     full_precision,
 )
-from common.cli_args import parse_settings
+from common.bootstrap import Stop, run_service
 from common.curve import service_keys
 from common.device import (
     default_threads,
@@ -48,7 +46,7 @@ from common.device import (
 from common.errors import AsteroidError, ConfigError, StoreError
 from common.exit_codes import ExitCode
 from common.locate import CoordinatorUnreachable, with_redis
-from common.logging import bind_global, configure_logging, get_logger
+from common.logging import bind_global, get_logger
 from common.memory import keep_freed_memory
 from common.model_key import model_key
 from common.profile import Profile
@@ -273,26 +271,16 @@ def run(settings: ProfilerSettings) -> ExitCode:
     return ExitCode.OK
 
 
-def serve(settings: ProfilerSettings) -> ExitCode:
+def serve(settings: ProfilerSettings, stop: Stop) -> ExitCode:
     """Answer profile requests until SIGTERM or SIGINT, which stop it cleanly (exit code OK).
 
     Without a Redis URL, the coordinator is asked where Redis is first (the
     password comes from the key set, as Redis user `profiler`).
     """
-    stopping = threading.Event()
-    started: list[ProfilerService] = []
-
-    def _stop(signum: int, _: object) -> None:
-        log.info("stopping", signal=signal.Signals(signum).name)
-        stopping.set()
-        for service in started:
-            service.stopping.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop.on_stop(lambda name: log.info("stopping", signal=name))
     try:
         keys, _ = service_keys(settings.keys)
-        settings = with_redis(settings, keys, REDIS_USER, stopping.is_set)
+        settings = with_redis(settings, keys, REDIS_USER, stop.is_set)
         service = ProfilerService(settings)
     except CoordinatorUnreachable:  # only when stopped while asking
         log.info("stopped before the coordinator answered", coordinator=settings.coordinator)
@@ -303,9 +291,7 @@ def serve(settings: ProfilerSettings) -> ExitCode:
     except zmq.ZMQError as exc:
         log.error("invalid coordinator address", address=settings.coordinator, error=str(exc))
         return ExitCode.CONFIG
-    started.append(service)
-    if stopping.is_set():
-        service.stopping.set()
+    stop.on_stop(lambda _: service.stopping.set())
     bind_global(service=service.identity)
     try:
         service.serve()
@@ -315,19 +301,18 @@ def serve(settings: ProfilerSettings) -> ExitCode:
     return ExitCode.OK
 
 
-def _interrupt(signum: int, _: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+def _body(settings: ProfilerSettings, stop: Stop) -> ExitCode:
+    """Serve with `--serve`; else profile once, unwound by KeyboardInterrupt at a stop."""
+    keep_freed_memory()  # allocate like a worker does, so the times match its own
+    if settings.serve:
+        return serve(settings, stop)
+    with stop.interrupting():
+        return run(settings)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `asteroid-profiler`."""
-    settings = parse_settings(ProfilerSettings, argv, "asteroid-profiler")
-    configure_logging(settings.log_level, settings.log_format)
-    keep_freed_memory()  # allocate like a worker does, so the times match its own
-    if settings.serve:
-        sys.exit(int(serve(settings)))
-    signal.signal(signal.SIGTERM, _interrupt)
-    sys.exit(int(run(settings)))
+    sys.exit(run_service("profiler", ProfilerSettings, _body, argv))
 
 
 if __name__ == "__main__":

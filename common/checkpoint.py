@@ -23,7 +23,6 @@ deletes the rest, so that a long job does not fill Redis.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -306,10 +305,9 @@ def commit_checkpoint(
         manifest["sha256"] = hashes
     if digests is not None:
         manifest["digests"] = [dict(d) for d in digests]
-    pipe = store.r.pipeline(transaction=True)
-    pipe.set(store.key("ckpt", job, round_no, "manifest"), json.dumps(manifest))
-    pipe.set(store.key("ckpt", job, "latest"), round_no)
-    pipe.execute()
+    store.put_jsons(
+        [(("ckpt", job, round_no, "manifest"), manifest), (("ckpt", job, "latest"), round_no)]
+    )
     removed = remove_orphans(store, job)
     if removed:
         log.info("removed orphan checkpoint keys", job=job, round=round_no, keys=removed)
@@ -317,7 +315,7 @@ def commit_checkpoint(
 
 def latest_round(store: Store, job: str) -> int | None:
     """The newest committed checkpoint round of `job`, if any."""
-    raw = store.r.get(store.key("ckpt", job, "latest"))
+    raw = store.get_json("ckpt", job, "latest")  # a bare integer, which is JSON too
     return None if raw is None else int(raw)
 
 
@@ -371,7 +369,7 @@ def remove_orphans(store: Store, job: str, *, newer_too: bool = False) -> int:
             newer_too and (latest is None or round_no > latest)
         ):
             doomed += keys
-    return int(store.r.delete(*doomed)) if doomed else 0
+    return store.delete(*doomed)
 
 
 def committed_rounds(store: Store, job: str) -> list[int]:
@@ -403,7 +401,7 @@ def prune_checkpoints(store: Store, job: str, keep: int) -> list[int]:
     doomed = [r for r in committed if r not in kept]
     keys = [key for r in doomed for key in rounds[r]]
     if keys:
-        store.r.delete(*keys)
+        store.delete(*keys)
         log.info("pruned old checkpoints", job=job, rounds=doomed, kept=sorted(kept))
     return doomed
 

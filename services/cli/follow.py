@@ -25,6 +25,9 @@ from common.errors import ConfigError
 from common.job import JobSpec, load_job
 from common.lifecycle import TERMINAL
 from common.messages import SubmitJob
+from common.records.events import EventEntry, read_events_after
+from common.records.jobs import JobRecord, read_job
+from common.records.metrics import read_metrics_after
 from common.secrets import mask_text
 from common.settings import CommonSettings
 from common.store import Store
@@ -46,8 +49,8 @@ class JobView:
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _describe(job: dict[str, Any], last: dict[str, Any] | None, ev: dict[str, Any] | None) -> str:
-    parts = [str(job.get("state", "?"))]
+def _describe(job: JobRecord, last: dict[str, Any] | None, ev: dict[str, Any] | None) -> str:
+    parts = [job.state]
     if last is not None:
         parts.append(f"loss {last['loss']:.3f}")
         parts.append(f"{last['samples_per_s']:.0f} samples/s")
@@ -77,20 +80,19 @@ def follow(
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("submitted", total=None, job=shown(job_id))
         while True:
-            job = store.get_fields("job", job_id)
-            new, after_m = store.read_after("metrics", job_id, after_m)
-            events, after_e = store.read_after("events", job_id, after_e)
-            view.events += events
+            job = read_job(store, job_id) or JobRecord()
+            new, after_m = read_metrics_after(store, job_id, after_m)
+            events, after_e = read_events_after(store, job_id, after_e)
+            view.events += [e.fields() for e in events]
             for e in events:
-                if e.get("event") in ("profiling", "planning", "running"):
-                    console.log(shown(f"{job_id}: {e['event']}" + _detail(e)))
-            view.rounds += [m for m in new if "loss" in m]
-            view.evals += [m for m in new if "eval_accuracy" in m]
-            total = job.get("total_rounds")
+                if e.event in ("profiling", "planning", "running"):
+                    console.log(shown(f"{job_id}: {e.event}" + _detail(e)))
+            view.rounds += [m.fields() for m in new if m.loss is not None]
+            view.evals += [m.fields() for m in new if m.eval_accuracy is not None]
             bar.update(
                 task,
-                total=total,
-                completed=job.get("round", 0),
+                total=job.total_rounds,
+                completed=job.round or 0,
                 description=shown(
                     _describe(
                         job,
@@ -99,20 +101,20 @@ def follow(
                     )
                 ),
             )
-            view.state = job.get("state", "unknown")
+            view.state = job.state
             if view.state in TERMINAL or time.monotonic() > deadline:
                 # a worker's error may quote what it was sent (a URL); shown, it is masked
-                view.error = mask_text(str(job.get("error", job.get("reason", ""))))
+                view.error = mask_text(job.note)
                 return view
             time.sleep(poll_s)
 
 
-def _detail(event: dict[str, Any]) -> str:
-    if event["event"] == "profiling":
-        return f" on {', '.join(event.get('workers', []))}"
-    if event["event"] == "planning":
-        return f" with {event.get('planner', '?')}"
-    return f" ({event.get('total_rounds', '?')} rounds)"
+def _detail(event: EventEntry) -> str:
+    if event.event == "profiling":
+        return f" on {', '.join(event.workers or [])}"
+    if event.event == "planning":
+        return f" with {event.planner or '?'}"
+    return f" ({'?' if event.total_rounds is None else event.total_rounds} rounds)"
 
 
 def load_checked(path: Path, workers: int) -> JobSpec:

@@ -8,9 +8,8 @@ Nothing here loads torch until a command runs (TensorBoard's writer does).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -19,6 +18,8 @@ from common.errors import AsteroidError, ConfigError, StoreError
 from common.exit_codes import ExitCode
 from common.metrics_export import scalars
 from common.metrics_files import CsvLog, EventLog, csv_path, events_dir
+from common.records.jobs import read_job
+from common.records.metrics import read_metrics
 from common.secrets import mask_text
 from common.store import OUTAGE, Store
 from services.cli.console import CliConsole
@@ -53,16 +54,9 @@ def read_records(store: Store, job_id: str) -> list[dict[str, Any]]:
     """Every metrics record of `job_id`, oldest first, each with the wall-clock `time` it was made.
 
     A record written before records carried their `time` gets its stream
-    entry's, which Redis stamps in milliseconds when it appends.
+    entry's (see `common.records.metrics.read_metrics`).
     """
-    raw = store.r.xrange(store.key("metrics", job_id))
-    out = []
-    for entry_id, fields in cast(list[tuple[bytes, dict[bytes, bytes]]], raw):
-        record = {k.decode(): json.loads(v) for k, v in fields.items()}
-        if "time" not in record:
-            record["time"] = int(entry_id.split(b"-", 1)[0]) / 1000
-        out.append(record)
-    return out
+    return [entry.fields() for entry in read_metrics(store, job_id)]
 
 
 def export_metrics(
@@ -93,7 +87,7 @@ def export_metrics(
     except AsteroidError as exc:
         raise fail(exc, ExitCode.FAILED) from exc
     try:
-        if not store.get_fields("job", job_id):
+        if read_job(store, job_id) is None:
             raise fail(
                 ConfigError(f"job {job_id}: no such job in Redis at {store.where} ({store.prefix})")
             )
@@ -102,6 +96,8 @@ def export_metrics(
         raise fail(StoreError(f"Redis at {store.where} went away: {exc}"), ExitCode.FAILED) from exc
     except ValueError as exc:  # JSON that no coordinator wrote
         raise fail(StoreError(f"metrics of job {job_id} in Redis: {exc}"), ExitCode.FAILED) from exc
+    except StoreError as exc:  # a record of the wrong shape, named
+        raise fail(exc, ExitCode.FAILED) from exc
     finally:
         store.close()
     try:

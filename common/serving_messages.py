@@ -17,8 +17,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from common.galaxy.config import TransformerConfig
-from common.galaxy.cost import BlockProfile
 from common.galaxy.plan import InferencePlan
+from common.galaxy.profile import BlockProfile
 from common.ids import DeviceId, JobId
 from common.job import JOB_ID_PATTERN
 from common.message_base import WireModel

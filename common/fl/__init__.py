@@ -1,6 +1,6 @@
-"""Eco-FL's pure core: non-IID digits, grouping and regrouping, aggregation, strategies.
+"""Federated learning's contracts: the federation spec, the state frames, the digits data.
 
-What a federation service needs to decide, with no network: how homes are grouped
-(by latency, by data, or jointly), how results are averaged and merged, and a seeded
-virtual-clock simulation to compare the five strategies on real data.
+What the federation service, the coordinator's federated jobs and the CLI share. The
+engine (grouping, aggregation, strategies, the server's state machine, the simulator)
+lives with the federation service in `services.federation`.
 """

@@ -7,13 +7,72 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.fl.robust import RobustAggregation
-from common.fl.strategies import STRATEGIES, Strategy, make_strategy
 from common.job import JOB_ID_PATTERN, MAX_HOMES
 from common.spec_files import load_spec_file
 from common.zoo import ModelSpec
 
-__all__ = ["FederationSpec", "load_federation"]
+__all__ = [
+    "STRATEGY_NAMES",
+    "CombineRule",
+    "FederationSpec",
+    "RobustAggregation",
+    "StrategyName",
+    "load_federation",
+]
+
+StrategyName = Literal["ecofl", "fedavg", "fedasync", "fedat", "astraea"]
+# The order the spec's documentation lists them in; `services.federation.strategies`
+# builds each of these and no other.
+STRATEGY_NAMES: tuple[StrategyName, ...] = ("fedavg", "fedasync", "fedat", "astraea", "ecofl")
+
+CombineRule = Literal["mean", "trimmed_mean", "median"]
+
+
+class RobustAggregation(BaseModel):
+    """How a federation screens and combines homes' updates (the spec's ``aggregation``).
+
+    The defaults protect without changing an honest federation's FedAvg: honest homes'
+    deltas stay well inside ten times the median, their sample counts inside ten times
+    the median count.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    combine: CombineRule = Field(
+        "mean",
+        description="mean (sample-weighted, FedAvg), trimmed_mean or median (coordinate-wise, "
+        "unweighted).",
+    )
+    trim: float = Field(
+        0.2, ge=0, lt=0.5, description="Fraction trimmed from each end by trimmed_mean."
+    )
+    clip_norm: float | None = Field(
+        10.0,
+        gt=1,
+        le=1e6,
+        description="Clip an update's delta from the model it trained from to this multiple "
+        "of the median delta norm (None: no clipping).",
+    )
+    reject_norm: float | None = Field(
+        1000.0,
+        gt=1,
+        le=1e12,
+        description="Reject an update whose delta norm exceeds this multiple of the median "
+        "(None: never).",
+    )
+    sample_clip: float | None = Field(
+        10.0,
+        gt=1,
+        le=1e6,
+        description="Cut a sample count above this multiple of the median count down to it "
+        "(None: never).",
+    )
+    max_samples: int = Field(
+        10_000_000, ge=1, le=1 << 40, description="Most samples a home may claim (join refused)."
+    )
+    history: int = Field(
+        32, ge=0, le=10_000, description="Recent taken updates the medians also count."
+    )
 
 
 class FederationSpec(BaseModel):
@@ -27,8 +86,9 @@ class FederationSpec(BaseModel):
     model: ModelSpec = Field(description="The model every home trains (zoo name and options).")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the initial global model.")
     homes: int = Field(ge=1, le=MAX_HOMES, description="Homes to wait for before the first round.")
-    strategy: Literal["ecofl", "fedavg", "fedasync", "fedat", "astraea"] = Field(
-        "ecofl", description="How homes are grouped and updates merged: " + ", ".join(STRATEGIES)
+    strategy: StrategyName = Field(
+        "ecofl",
+        description="How homes are grouped and updates merged: " + ", ".join(STRATEGY_NAMES),
     )
     groups: int = Field(2, ge=1, le=MAX_HOMES, description="Groups (ecofl, fedat, astraea).")
     mixing: float = Field(
@@ -58,19 +118,6 @@ class FederationSpec(BaseModel):
         description="Score each global model on the held-out part of scikit-learn's digits "
         "split with this seed (None: no scoring).",
     )
-
-    def make_strategy(self) -> Strategy:
-        """The strategy this spec names, with its parameters."""
-        return make_strategy(
-            self.strategy,
-            self.groups,
-            self.mixing,
-            self.staleness,
-            self.exponent,
-            self.rt_fraction,
-            self.latency_weight,
-            self.aggregation,
-        )
 
 
 def load_federation(path: Path) -> FederationSpec:

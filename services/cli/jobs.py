@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -19,6 +19,8 @@ from rich.table import Table
 from common.errors import AsteroidError, ConfigError, DataPathError
 from common.exit_codes import ExitCode
 from common.ids import DeviceId
+from common.records.devices import read_devices
+from common.records.jobs import read_job, recent_jobs
 from common.settings import CommonSettings
 from common.store import Store
 from services.cli.console import CliConsole, shown
@@ -214,22 +216,17 @@ def devices_table(store: Store) -> Table:
     table = Table(title="devices")
     for col in DEVICE_COLUMNS:
         table.add_column(col)
-    rows = []
-    for key in store.keys("device", ""):
-        name = key.decode().rsplit(":", 1)[-1]
-        rows.append((name, store.get_fields("device", name)))
-    for name, d in sorted(rows, key=lambda r: -float(r[1].get("seen", 0))):
-        budget = int(d.get("memory_budget", 0))
+    for d in read_devices(store):  # freshest first
         table.add_row(  # each field came from a peer's heartbeat
-            shown(name),
-            _age(d.get("seen")),
-            shown(d.get("state", "?")),
-            shown(d.get("stage", "-")),
-            shown(d.get("round", "-")),
-            f"{budget / (1 << 30):.2f} GiB" if budget else "-",
-            shown(d.get("threads", "-")),
-            shown(d.get("version") or "-"),
-            shown(d.get("fingerprint", "")),
+            shown(d.device),
+            _age(d.seen),
+            shown(d.state or "?"),
+            shown("-" if d.stage is None else d.stage),
+            shown("-" if d.round is None else d.round),
+            f"{d.memory_budget / (1 << 30):.2f} GiB" if d.memory_budget else "-",
+            shown("-" if d.threads is None else d.threads),
+            shown(d.version or "-"),
+            shown(d.fingerprint),
         )
     return table
 
@@ -239,20 +236,19 @@ def jobs_table(store: Store, only: str | None = None) -> Table:
     table = Table(title="jobs")
     for col in ("job", "state", "round", "loss", "held-out acc", "samples/s", "note"):
         table.add_column(col)
-    ids = [i.decode() for i in cast(list[bytes], store.r.zrevrange(store.key("jobs"), 0, 49))]
-    for jid in ids if only is None else [only]:
-        j = store.get_fields("job", jid)
-        if not j:
+    for jid in recent_jobs(store) if only is None else [only]:
+        j = read_job(store, jid)
+        if j is None:
             table.add_row(shown(jid), "unknown", "-", "-", "-", "-", "")
             continue
         table.add_row(
             shown(jid),
-            shown(j.get("state")),
-            shown(f"{j.get('round', 0)}/{j.get('total_rounds', '?')}"),
-            f"{j['loss']:.4f}" if "loss" in j else "-",
-            f"{j['eval_accuracy']:.1%}" if "eval_accuracy" in j else "-",
-            f"{j['samples_per_s']:.0f}" if "samples_per_s" in j else "-",
-            shown(str(j.get("error", j.get("reason", "")))[:60]),
+            shown(j.state),
+            shown(f"{j.round or 0}/{'?' if j.total_rounds is None else j.total_rounds}"),
+            "-" if j.loss is None else f"{j.loss:.4f}",
+            "-" if j.eval_accuracy is None else f"{j.eval_accuracy:.1%}",
+            "-" if j.samples_per_s is None else f"{j.samples_per_s:.0f}",
+            shown(j.note[:60]),
         )
     return table
 
@@ -289,8 +285,8 @@ def export(
     cluster: ClusterOpt = None,
 ) -> None:
     """Write a job's checkpointed weights to a file plain PyTorch loads into the zoo model."""
-    from common.export import export_weights
     from common.job import check_job_id
+    from services.lib.export import export_weights
 
     try:
         check_job_id(job_id, "the command line")

@@ -151,10 +151,10 @@ def demo(
 
 def _report(store: Store, job: JobSpec, out: Path) -> None:
     """Print the plan and the measured-versus-simulated summary; write timeline and weights."""
-    from common.export import export_weights
     from common.extras import installed_extras
     from services.cli.plan import plan_table
     from services.cli.report import job_report, stage_table, summary_table
+    from services.lib.export import export_weights
     from services.planner.timeline import draw_timeline
 
     try:

@@ -21,16 +21,8 @@ from pydantic import ValidationError
 
 from common.errors import AsteroidError, ConfigError
 from common.galaxy.config import TransformerConfig
-from common.galaxy.cost import BlockProfile
 from common.galaxy.plan import InferencePlan
-from common.galaxy.planner import (
-    plan_galaxy,
-    plan_local,
-    plan_megatron,
-    plan_sp,
-    require_capacity,
-)
-from common.galaxy.sources import from_checkpoint
+from common.galaxy.profile import BlockProfile
 from common.ids import DeviceId
 from common.lifecycle import JobState, advance
 from common.logging import bind_global, get_logger
@@ -48,7 +40,15 @@ from common.serving_messages import (
     TransformerShape,
 )
 from services.coordinator.fair_queue import FairQueue
+from services.coordinator.galaxy.planner import (
+    plan_galaxy,
+    plan_local,
+    plan_megatron,
+    plan_sp,
+    require_capacity,
+)
 from services.coordinator.jobs import JobCancelled, JobFailed
+from services.lib.galaxy.sources import from_checkpoint
 
 if TYPE_CHECKING:
     from services.coordinator.service import Coordinator

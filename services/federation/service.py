@@ -3,7 +3,7 @@
 A ROUTER that homes' coordinators reach (over CURVE beyond loopback: the federation's
 key set holds its pair as the "coordinator" and one "worker" pair per home, named
 ``home-N``, so a home can only speak as itself). The rules of rounds, groups and
-merging are `common.fl.server.Federation`'s; this module is the shell around it:
+merging are `services.federation.server.Federation`'s; this module is the shell around it:
 sockets, the checks every incoming model passes, scoring each global model on held-out
 data, and Redis (``fl:<id>`` hash: version, state; ``fl-model:<id>`` the newest global
 model; ``fl-metrics:<id>`` a stream with one entry per round that ended).
@@ -32,7 +32,6 @@ from common.federation_messages import (
     JoinFederation,
 )
 from common.fl.data import DIGIT_CLASSES, TensorData, load_digits_split
-from common.fl.server import Federation, RoundEnd, StaleUpdate
 from common.fl.spec import FederationSpec
 from common.fl.wire import state_frame, state_from_frame
 from common.inbound import MemoryGuard
@@ -42,6 +41,8 @@ from common.settings import FederationSettings
 from common.sockets import bind_router, reset_router
 from common.store import Store
 from common.zoo import build_model
+from services.federation.server import Federation, RoundEnd, StaleUpdate
+from services.federation.strategies import strategy_for
 
 __all__ = ["FederationService", "home_of"]
 
@@ -92,7 +93,7 @@ class FederationService:
             self.store.r.delete(*(self.store.key(p, fid) for p in ("fl", "fl-model", "fl-metrics")))
         starts = int(self.store.r.hincrby(self.store.key("fl", fid), "starts", 1))
         self.federation = Federation(
-            spec.make_strategy(),
+            strategy_for(spec),
             self.net.state_dict(),
             spec.homes,
             spec.updates,

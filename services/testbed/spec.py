@@ -1,10 +1,10 @@
 """What a testbed emulates: devices with a CPU share, a memory limit and a shaped link.
 
-Presets turn the papers' environments (`common.presets`, the one source of the
+Presets turn the papers' environments (`services.testbed.presets`, the one source of the
 kinds and their mixes) into devices this machine can host:
 
 - CPU: each device gets cores in proportion to its kind's peak TFLOPS (the
-  ratios Asteroid's Table 1 implies; `common.presets.slowdown`), scaled per
+  ratios Asteroid's Table 1 implies; `services.testbed.presets.slowdown`), scaled per
   preset so that the quotas sum to at most `CPU_BUDGET` = 1.6 of the machine's
   two cores (the rest runs Redis, the coordinator, the planner and the
   kernel's share of the network, so measured speeds are not contention
@@ -25,7 +25,7 @@ kinds and their mixes) into devices this machine can host:
   across Nano-sized ones; 1/16 would leave a Nano 256 MiB, less than a worker
   needs to start.
 - Link: every device's link runs at the preset's rate (Asteroid evaluates at
-  100 Mbps and 1 Gbps, `common.presets.LINK_SPEEDS_BPS`) with 0.5 ms latency
+  100 Mbps and 1 Gbps, `services.testbed.presets.LINK_SPEEDS_BPS`) with 0.5 ms latency
   each way, a switched LAN's order of magnitude.
 
 `cluster_spec` is the planner's view of the same testbed: a transfer from a to
@@ -46,9 +46,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.errors import ConfigError
-from common.presets import GALAXY_ENVIRONMENTS, environment, galaxy_devices
 from common.profile import ClusterSpec, DeviceSpec
 from common.spec_files import load_spec_file
+from services.testbed.presets import GALAXY_ENVIRONMENTS, environment, galaxy_devices
 
 __all__ = [
     "CPU_BUDGET",
@@ -107,7 +107,7 @@ PRESETS: dict[str, str] = {
     "galaxy-e": "Galaxy-E",
     "galaxy-f": "Galaxy-F",
 }
-"""Preset name -> environment of `common.presets`."""
+"""Preset name -> environment of `services.testbed.presets`."""
 
 _NAME = r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$"
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps)?\s*$", re.IGNORECASE)

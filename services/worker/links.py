@@ -17,12 +17,12 @@ from typing import Any
 
 import zmq
 
-from common.bandwidth import probe_link
 from common.curve import CurveKeys
 from common.errors import AsteroidError
 from common.ids import DeviceId
 from common.logging import get_logger
 from common.messages import LinksMeasured, MeasureLinks, Message
+from services.worker.bandwidth import probe_link
 
 __all__ = ["LinkProber", "measure"]
 

@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
@@ -29,8 +28,7 @@ import zmq
 from torch import nn
 
 from common.accelerator import accelerator_budget, describe_accelerator, full_precision
-from common.bandwidth import BandwidthSink
-from common.cli_args import parse_settings
+from common.bootstrap import Stop, run_service
 from common.codec import Limits
 from common.curve import load_keys
 from common.device import (
@@ -44,7 +42,7 @@ from common.exit_codes import ExitCode
 from common.ids import DeviceId
 from common.inbound import MemoryGuard
 from common.locate import CoordinatorUnreachable, with_redis
-from common.logging import bind_global, configure_logging, get_logger
+from common.logging import bind_global, get_logger
 from common.memory import keep_freed_memory
 from common.messages import (
     Assign,
@@ -70,6 +68,7 @@ from common.store import Store
 from common.version import VERSION
 from common.zoo import ModelSpec, ZooModel, build_model
 from services.worker.addressing import data_hosts
+from services.worker.bandwidth import BandwidthSink
 from services.worker.control import ControlLink
 from services.worker.faults import FailAt
 from services.worker.holdings import HeldLayer, Holdings, ReplicaSource
@@ -537,6 +536,15 @@ class Worker:
             err, self.dispatcher.error = self.dispatcher.error, None
             raise AsteroidError(f"sending to a peer failed during {during}: {err}")
 
+    def stop(self, signal_name: str) -> None:
+        """End `serve` after the command at hand, which gives up its waits now.
+
+        A command waiting for a peer or for Redis fails at once instead of at
+        its timeout, so a signalled worker stops within a second.
+        """
+        self.stopping.set()
+        self.pool.abort(f"the worker is stopping ({signal_name})")
+
     def close(self) -> None:
         """Stop threads and sockets; safe to call twice.
 
@@ -577,41 +585,31 @@ class Worker:
             faulthandler.cancel_dump_traceback_later()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of `asteroid-worker`."""
-    settings = parse_settings(WorkerSettings, argv, "asteroid-worker")
+def _body(settings: WorkerSettings, stop: Stop) -> ExitCode:
+    """Join and serve until the coordinator's Shutdown or SIGTERM/SIGINT (exit code OK)."""
     torch.set_num_threads(settings.threads or default_threads(settings.workers_per_host))
     keep_freed_memory()
-    configure_logging(settings.log_level, settings.log_format)
-    stopping = threading.Event()
-    started: list[Worker] = []
-
-    def _stop(signum: int, _: object) -> None:
-        log.info("signal received", signal=signal.Signals(signum).name)
-        stopping.set()
-        for worker in started:
-            worker.stopping.set()
-            # a command waiting for a peer or for Redis gives up now instead of at its timeout
-            worker.pool.abort(f"the worker is stopping ({signal.Signals(signum).name})")
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop.on_stop(lambda name: log.info("signal received", signal=name))
     try:
         # no Redis URL given: the coordinator says where (the password is the key set's)
         keys = load_keys(settings.keys, "worker", settings.device or None)
-        settings = with_redis(settings, keys, "worker", stopping.is_set)
+        settings = with_redis(settings, keys, "worker", stop.is_set)
         worker = Worker(settings)
     except CoordinatorUnreachable:  # only when stopped while asking
         log.info("stopped before the coordinator answered", coordinator=settings.coordinator)
-        sys.exit(int(ExitCode.INTERRUPTED))
+        return ExitCode.INTERRUPTED
     except ConfigError as exc:  # e.g. its key is missing from --keys
         log.error("worker cannot start", error=str(exc))
-        sys.exit(int(ExitCode.CONFIG))
-    started.append(worker)
+        return ExitCode.CONFIG
+    stop.on_stop(worker.stop)
     bind_global(device=worker.device)
-    if stopping.is_set():
-        worker.stopping.set()
     worker.serve()
+    return ExitCode.OK
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `asteroid-worker`."""
+    sys.exit(run_service("worker", WorkerSettings, _body, argv))
 
 
 if __name__ == "__main__":

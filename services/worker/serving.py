@@ -4,7 +4,7 @@ The coordinator's serving job drives it with three commands, each answered on
 the control plane: `ProfileBlocks` (time the MHA, MLP and connective blocks
 here, Galaxy's profiler), `LoadShard` (build the served weights, keep this
 device's shard, open the ring to the plan's other devices) and `RunInference`
-(this device's part of one request through `common.galaxy.hmp`; the ring's
+(this device's part of one request through `services.worker.galaxy.hmp`; the ring's
 first device answers with the output). Tiles travel on the data plane through
 a dispatcher of their own, so a serving ring never disturbs training's peers.
 """
@@ -22,10 +22,8 @@ from torch import Tensor
 
 from common.curve import CurveKeys
 from common.errors import ConfigError
-from common.galaxy import hmp, sources
 from common.galaxy.config import TransformerConfig
 from common.galaxy.plan import InferencePlan
-from common.galaxy.profiling import profile_blocks
 from common.ids import DeviceId
 from common.logging import get_logger
 from common.serving_messages import (
@@ -38,6 +36,9 @@ from common.serving_messages import (
     ShardLoaded,
 )
 from common.store import Store
+from services.lib.galaxy import sources
+from services.worker.galaxy import hmp
+from services.worker.galaxy.profiling import profile_blocks
 from services.worker.tiles import Expecting, TileInbox, ZmqRing
 from services.worker.transfers import to_device
 from services.worker.transport import Dispatcher

@@ -1,6 +1,6 @@
 """Galaxy's ring over the worker data plane: tiles out through a dispatcher, in through an inbox.
 
-`ZmqRing` is the networked form of `common.galaxy.ring.Ring` for one request:
+`ZmqRing` is the networked form of `services.worker.galaxy.ring.Ring` for one request:
 `send` queues an `HmpTile` to the next device of the plan's ring, `recv` waits
 for the previous device's tile of the same serving job, epoch, request and tag.
 The receiver thread files tiles in the `TileInbox`, which takes a tile only from
@@ -112,7 +112,7 @@ class TileInbox:
 
 
 class ZmqRing:
-    """One request's ring on the data plane; implements `common.galaxy.ring.Ring`."""
+    """One request's ring on the data plane; implements `services.worker.galaxy.ring.Ring`."""
 
     def __init__(
         self,

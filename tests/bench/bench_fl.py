@@ -3,7 +3,7 @@
     python -m tests.bench.bench_fl [--out DIR] [--quick] [--seeds N] [--horizon S]
         (make bench-fl)
 
-Runs `common.fl.simulate`: real SGD on scikit-learn's digits split over heterogeneous
+Runs `services.federation.simulate`: real SGD on scikit-learn's digits split over heterogeneous
 homes (per-round times 1x to 6x) by Dirichlet(alpha) label skew, alpha 0.1 and 0.5;
 time is the simulator's virtual clock (a group's round lasts as long as its slowest
 home's), not wall-clock, so runs are exact and repeatable. Every strategy gets the
@@ -35,8 +35,8 @@ from common.fl.data import (
     label_histogram,
     load_digits_split,
 )
-from common.fl.simulate import SimConfig, SlowDown, simulate
-from common.fl.strategies import Strategy, make_strategy
+from services.federation.simulate import SimConfig, SlowDown, simulate
+from services.federation.strategies import Strategy, make_strategy
 
 __all__ = ["QUICK", "BenchConfig", "Run", "Summary", "main", "run_bench", "summarize"]
 

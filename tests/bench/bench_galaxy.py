@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import AsteroidError, ConfigError
-from common.galaxy.cost import BlockProfile
+from common.galaxy.profile import BlockProfile
 from common.store import Store
 from services.testbed.bed import Testbed
 from services.testbed.spec import TestbedSpec, cluster_spec, preset
@@ -122,7 +122,7 @@ def write_outputs(out: Path, saved: dict[str, Any], cells: Sequence[Cell], plann
         "prediction for the plan the coordinator ran, from this machine's one-thread block "
         "profile scaled by 1 / each device's CPU quota",
         "- OOM: the mode's plan does not fit the budgets the workers report "
-        "(`common.galaxy.planner.fits`; for galaxy and local: no plan fits); not run",
+        "(`services.coordinator.galaxy.planner.fits`; for galaxy and local: no plan fits); not run",
         f"- models: {saved['models']}; 284-token requests, vocab {saved['vocab']}",
         f"- cut: {saved['cut']}",
         "",

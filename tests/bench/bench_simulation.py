@@ -13,7 +13,7 @@ Asteroid's speedup over each baseline whose plan fits.
 
 Devices. One CPU core profiles each model here (torch pinned to one thread);
 that core stands for the Xavier NX, and the TX2 and Nano are slowed by the ratio
-of peak throughputs of Asteroid's Table 1 (`common.presets`). Memory budgets are
+of peak throughputs of Asteroid's Table 1 (`services.testbed.presets`). Memory budgets are
 the boards' full memory.
 
 Resolution emulation. Our image models take 32x32 inputs, the paper trains at
@@ -54,13 +54,13 @@ from pathlib import Path
 import torch
 
 from common.errors import AsteroidError
-from common.presets import JETSON_XAVIER_NX, cluster_for, environment
 from common.profile import Profile
 from common.zoo import ModelSpec
 from services.planner.base import PLANNERS, PlanDoesNotFit, check_memory, get_planner
 from services.planner.cost import CostModel
 from services.planner.simulator import simulate
 from services.profiler.layers import profile_model
+from services.testbed.presets import JETSON_XAVIER_NX, cluster_for, environment
 
 PAPER_RES, OUR_RES = 224, 32
 IMAGE_MODELS = ("mobilenet_v2", "efficientnet_b1", "resnet50")

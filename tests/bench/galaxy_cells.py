@@ -17,12 +17,19 @@ from typing import Any
 
 from common.errors import ConfigError, PlanError
 from common.galaxy.config import TransformerConfig
-from common.galaxy.cost import BlockProfile, predict
 from common.galaxy.plan import InferencePlan
-from common.galaxy.planner import fits, plan_galaxy, plan_local, plan_megatron, plan_sp
-from common.galaxy.profiling import profile_blocks, scaled
+from common.galaxy.profile import BlockProfile
 from common.serving_messages import TransformerShape
+from services.coordinator.galaxy.cost import predict
+from services.coordinator.galaxy.planner import (
+    fits,
+    plan_galaxy,
+    plan_local,
+    plan_megatron,
+    plan_sp,
+)
 from services.coordinator.serving import profile_sizes
+from services.worker.galaxy.profiling import profile_blocks, scaled
 
 __all__ = [
     "MODELS",

@@ -16,8 +16,8 @@ import time
 from collections.abc import Mapping
 
 from common.errors import AsteroidError
-from common.galaxy.cost import BlockProfile
 from common.galaxy.plan import InferencePlan
+from common.galaxy.profile import BlockProfile
 from common.ids import DeviceId
 from common.messages import CancelJob
 from common.serving_messages import ServeModel, ServeSpec

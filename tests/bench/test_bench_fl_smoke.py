@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from common.fl.data import load_digits_split
-from common.fl.simulate import SimConfig, simulate
-from common.fl.strategies import make_strategy
+from services.federation.simulate import SimConfig, simulate
+from services.federation.strategies import make_strategy
 from tests.bench.bench_fl import QUICK, Run, main, run_bench, summarize, time_to
 
 TINY = replace(QUICK, horizon=12.0, seeds=(0,), slow_seeds=(0,), local_steps=3)

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from common.errors import ConfigError
-from common.galaxy.cost import BlockProfile, memory_bytes, predict
-from common.galaxy.planner import plan_galaxy, plan_local, plan_megatron
+from common.galaxy.profile import BlockProfile
+from services.coordinator.galaxy.cost import memory_bytes, predict
+from services.coordinator.galaxy.planner import plan_galaxy, plan_local, plan_megatron
 from services.testbed import net
 from services.testbed.spec import cluster_spec, preset
 from tests.bench import bench_galaxy, galaxy_serve

@@ -6,7 +6,6 @@ import pytest
 import zmq
 from pydantic import ValidationError
 
-from common.bandwidth import BandwidthSink
 from common.codec import Limits
 from common.ids import DeviceId
 from common.messages import (
@@ -22,6 +21,7 @@ from common.profile import ClusterSpec, DeviceSpec
 from services.coordinator import links
 from services.coordinator.membership import Member
 from services.coordinator.profiling import cluster_for
+from services.worker.bandwidth import BandwidthSink
 
 A, B, C = DeviceId("a"), DeviceId("b"), DeviceId("c")
 

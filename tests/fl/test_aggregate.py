@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from common.fl.aggregate import async_merge, fedavg, staleness_weight
+from services.federation.aggregate import async_merge, fedavg, staleness_weight
 
 
 def test_fedavg_is_the_sample_weighted_mean() -> None:

@@ -8,7 +8,7 @@ Flower's own server loop (`flwr.server.Server`: configure_fit, fit_clients, FedA
 aggregate_fit, centralised evaluate) drives real `NumPyClient`s in process, without ray
 or sockets. Ours are only the proxy that hands a `FitIns` to a local client and a sort
 that gives FedAvg the results in home order (see `OrderedFedAvg`).
-Both sides train each home with `common.fl.simulate.local_train` and the same seeds, so
+Both sides train each home with `services.federation.simulate.local_train` and the same seeds, so
 the two federations differ only in who averages the models.
 """
 
@@ -49,7 +49,6 @@ from flwr.server import Server, SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import FedAvg
 
-from common.fl.aggregate import fedavg
 from common.fl.data import (
     DIGIT_CLASSES,
     DigitsSplit,
@@ -57,9 +56,10 @@ from common.fl.data import (
     home_share,
     load_digits_split,
 )
-from common.fl.simulate import SimConfig, local_train, round_seed, simulate
-from common.fl.strategies import make_strategy
 from common.zoo import ModelSpec, build_model
+from services.federation.aggregate import fedavg
+from services.federation.simulate import SimConfig, local_train, round_seed, simulate
+from services.federation.strategies import make_strategy
 from tests.integration import test_federation as fed
 from tests.reference import reference_train
 

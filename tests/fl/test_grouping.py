@@ -1,7 +1,7 @@
 import pytest
 
 from common.errors import ConfigError
-from common.fl.grouping import (
+from services.federation.grouping import (
     GroupState,
     astraea_groups,
     data_gap,
@@ -13,7 +13,7 @@ from common.fl.grouping import (
     out_of_band,
     regroup,
 )
-from common.fl.strategies import make_strategy
+from services.federation.strategies import make_strategy
 
 A, B = (10.0, 0.0), (0.0, 10.0)
 # Fast homes 0, 2, 4, 6 and slow homes 1, 3, 5, 7; labels A, B, A, B, B, A, B, A.

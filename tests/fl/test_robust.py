@@ -15,9 +15,9 @@ from pydantic import ValidationError
 from scipy.stats import trim_mean
 from torch import Tensor
 
-from common.fl.aggregate import fedavg
-from common.fl.robust import (
-    RobustAggregation,
+from common.fl.spec import FederationSpec, RobustAggregation
+from services.federation.aggregate import fedavg
+from services.federation.robust import (
     Screen,
     Update,
     clip_delta,
@@ -25,9 +25,8 @@ from common.fl.robust import (
     lower_median,
     trimmed_mean,
 )
-from common.fl.server import Federation, FederationError
-from common.fl.spec import FederationSpec
-from common.fl.strategies import FitResult, make_strategy
+from services.federation.server import Federation, FederationError
+from services.federation.strategies import FitResult, make_strategy, strategy_for
 
 HOSTILE = 3e38
 ALL_OF_THEM = 1 << 40
@@ -169,7 +168,7 @@ def test_the_spec_selects_the_rule_and_checks_its_fields() -> None:
             "aggregation": {"combine": "median", "clip_norm": None},
         }
     )
-    strategy = spec.make_strategy()
+    strategy = strategy_for(spec)
     assert strategy.robust.combine == "median" and strategy.robust.clip_norm is None
     group = states(3)
     results = [FitResult(h, s, 10, 0) for h, s in enumerate(group)]

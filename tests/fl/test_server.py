@@ -7,9 +7,9 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError
-from common.fl.grouping import Groups
-from common.fl.server import Federation, FederationError, Regroup, RoundEnd, StaleUpdate
-from common.fl.strategies import Strategy, make_strategy
+from services.federation.grouping import Groups
+from services.federation.server import Federation, FederationError, Regroup, RoundEnd, StaleUpdate
+from services.federation.strategies import Strategy, make_strategy
 
 A, B = (10, 0), (0, 10)
 ZERO = {"w": torch.tensor([0.0, 0.0])}

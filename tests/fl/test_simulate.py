@@ -5,9 +5,16 @@ import torch
 
 from common.errors import ConfigError
 from common.fl.data import DigitsSplit, dirichlet_split, load_digits_split
-from common.fl.simulate import DIGITS_CNN, SimConfig, SlowDown, latency_at, round_seed, simulate
-from common.fl.strategies import make_strategy
 from common.zoo import ModelSpec, build_model
+from services.federation.simulate import (
+    DIGITS_CNN,
+    SimConfig,
+    SlowDown,
+    latency_at,
+    round_seed,
+    simulate,
+)
+from services.federation.strategies import make_strategy
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,11 @@
+from typing import get_args
+
 import pytest
 import torch
 
 from common.errors import ConfigError
-from common.fl.strategies import (
+from common.fl.spec import STRATEGY_NAMES, StrategyName
+from services.federation.strategies import (
     STRATEGIES,
     Astraea,
     EcoFL,
@@ -31,6 +34,11 @@ def test_strategies_are_selected_by_name() -> None:
         make_strategy("fedat", groups=0)
     with pytest.raises(ConfigError):
         make_strategy("fedat", alpha=0.0)
+
+
+def test_the_spec_names_exactly_the_strategies_built() -> None:
+    assert tuple(STRATEGIES) == STRATEGY_NAMES
+    assert sorted(get_args(StrategyName)) == sorted(STRATEGY_NAMES)
 
 
 def test_each_strategy_groups_as_its_paper_does() -> None:

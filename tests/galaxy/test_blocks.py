@@ -7,9 +7,9 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError
-from common.galaxy import blocks
 from common.galaxy.config import TransformerConfig
-from common.galaxy.model import init_weights
+from services.lib.galaxy import blocks
+from services.lib.galaxy.model import init_weights
 
 DECODER = TransformerConfig(
     kind="decoder",

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError, RoundTimeoutError
-from common.galaxy.collectives import (
+from services.worker.galaxy.collectives import (
     all_gather,
     all_reduce,
     even_counts,
@@ -21,7 +21,7 @@ from common.galaxy.collectives import (
     reduce_scatter,
     row_offsets,
 )
-from common.galaxy.ring import LocalRing, Ring, local_rings
+from services.worker.galaxy.ring import LocalRing, Ring, local_rings
 
 T = TypeVar("T")
 

@@ -5,9 +5,10 @@ from pydantic import ValidationError
 
 from common.errors import ConfigError
 from common.galaxy.config import TransformerConfig
-from common.galaxy.cost import BlockProfile, memory_bytes, predict, ring_step_s
 from common.galaxy.plan import InferencePlan
-from common.galaxy.profiling import random_layer
+from common.galaxy.profile import BlockProfile
+from services.coordinator.galaxy.cost import memory_bytes, predict, ring_step_s
+from services.worker.galaxy.profiling import random_layer
 
 CONFIG = TransformerConfig("encoder", 2, 64, 4, 256, 100, 64, 1e-12)
 

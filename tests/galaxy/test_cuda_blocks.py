@@ -1,7 +1,7 @@
 """Galaxy's blocks on a GPU: the same outputs as on the CPU, decoding and profiling there.
 
 A serving worker loads its shard onto its accelerator (`services.worker.serving`)
-and runs `common.galaxy.hmp` on it; these run the same code with the weights
+and runs `services.worker.galaxy.hmp` on it; these run the same code with the weights
 and tokens on the GPU.
 """
 
@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from common.galaxy import hmp, model
-from common.galaxy.hmp import RingLayout
-from common.galaxy.profiling import profile_blocks
+from services.lib.galaxy import model
+from services.worker.galaxy import hmp
+from services.worker.galaxy.hmp import RingLayout
+from services.worker.galaxy.profiling import profile_blocks
 from tests.galaxy.test_hmp import CONFIGS, FFN, HEADS, T, _weights
 from tests.gpu import CUDA_MARKS, exact_cuda
 

@@ -7,12 +7,13 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError, RoundTimeoutError
-from common.galaxy import hmp, model
-from common.galaxy.collectives import placement
 from common.galaxy.config import TransformerConfig
-from common.galaxy.hmp import RingLayout
 from common.galaxy.plan import InferencePlan
-from common.galaxy.ring import LocalRing, local_rings
+from services.lib.galaxy import model
+from services.worker.galaxy import hmp
+from services.worker.galaxy.collectives import placement
+from services.worker.galaxy.hmp import RingLayout
+from services.worker.galaxy.ring import LocalRing, local_rings
 from tests.galaxy.test_collectives import run_on_ring
 
 T = 7  # tokens of the test request

@@ -6,7 +6,7 @@ from torch import Tensor
 
 from common.errors import ConfigError
 from common.galaxy.config import TransformerConfig
-from common.galaxy.model import KVCache, forward, generate, init_weights, weight_bytes
+from services.lib.galaxy.model import KVCache, forward, generate, init_weights, weight_bytes
 
 DECODER = TransformerConfig(
     kind="decoder",

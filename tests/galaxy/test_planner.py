@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from common.errors import ConfigError, PlanError
 from common.galaxy.config import TransformerConfig
-from common.galaxy.cost import BlockProfile, device_memory_bytes, memory_bytes, predict
 from common.galaxy.plan import InferencePlan
-from common.galaxy.planner import (
+from common.galaxy.profile import BlockProfile
+from services.coordinator.galaxy.cost import device_memory_bytes, memory_bytes, predict
+from services.coordinator.galaxy.planner import (
     balanced_partition,
     capacities,
     fits,

@@ -5,11 +5,11 @@ import itertools
 import pytest
 
 from common.errors import ConfigError
-from common.galaxy import profiling
 from common.galaxy.config import LAYER_KEYS, TransformerConfig, layer_key
-from common.galaxy.cost import predict
-from common.galaxy.planner import plan_galaxy
-from common.galaxy.profiling import profile_blocks, random_layer, scaled
+from services.coordinator.galaxy.cost import predict
+from services.coordinator.galaxy.planner import plan_galaxy
+from services.worker.galaxy import profiling
+from services.worker.galaxy.profiling import profile_blocks, random_layer, scaled
 
 CONFIG = TransformerConfig("decoder", 2, 64, 4, 256, 128, 64, 1e-5)
 ENCODER = TransformerConfig("encoder", 2, 64, 4, 256, 128, 64, 1e-12)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.galaxy import hmp, model, sources
 from common.galaxy.config import TransformerConfig, layer_key
-from common.galaxy.hmp import RingLayout
+from services.lib.galaxy import model, sources
+from services.worker.galaxy import hmp
+from services.worker.galaxy.hmp import RingLayout
 from tests.galaxy.test_collectives import run_on_ring
 
 DECODER = TransformerConfig("decoder", 2, 48, 6, 80, 101, 32, 1e-5)

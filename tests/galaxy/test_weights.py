@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from common.errors import ConfigError
-from common.galaxy.model import forward, init_weights
-from common.galaxy.weights import check_weights, from_bert_small, from_transformers
 from common.zoo import ModelSpec, build_model
+from services.lib.galaxy.model import forward, init_weights
+from services.lib.galaxy.weights import check_weights, from_bert_small, from_transformers
 
 transformers = pytest.importorskip("transformers")
 

@@ -29,7 +29,6 @@ from common.codec import Limits, recv_message, send_message
 from common.curve import COORDINATOR, CurveKeys, create_key_set
 from common.exit_codes import ExitCode
 from common.federation_messages import FederationReply, FetchModel
-from common.fl.aggregate import fedavg
 from common.fl.data import home_share
 from common.fl.wire import state_from_frame
 from common.messages import CancelJob
@@ -39,6 +38,7 @@ from common.store import Store
 from common.zoo import ModelSpec, build_model
 from services.cli import app
 from services.cli.client import ask_coordinator
+from services.federation.aggregate import fedavg
 from tests.cluster import Budget, LocalCluster
 from tests.integration.test_equivalence import stage
 

@@ -28,14 +28,14 @@ from common.federation_messages import (
     HomeUpdate,
     JoinFederation,
 )
-from common.fl.aggregate import fedavg
 from common.fl.data import DIGIT_CLASSES, home_share, label_histogram, load_digits_split
-from common.fl.simulate import SimConfig, local_train
 from common.fl.wire import state_frame, state_from_frame
 from common.ports import free_port
 from common.sockets import connect_dealer
 from common.store import Store
 from common.zoo import ModelSpec, build_model
+from services.federation.aggregate import fedavg
+from services.federation.simulate import SimConfig, local_train
 from tests.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,6 @@ import zmq
 
 from common.checkpoint import commit_checkpoint, save_stage
 from common.codec import Limits, recv_message, send_message
-from common.galaxy import model
 from common.job import JobSpec
 from common.messages import CancelJob
 from common.serving_messages import (
@@ -36,6 +35,7 @@ from common.zoo import build_model
 from services.cli.client import ask_coordinator
 from services.cli.serve import infer_request
 from services.coordinator.service import Coordinator
+from services.lib.galaxy import model
 from tests.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration

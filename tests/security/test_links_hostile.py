@@ -17,7 +17,6 @@ import pytest
 import torch
 import zmq
 
-from common.bandwidth import BandwidthSink, probe_link
 from common.codec import encode
 from common.curve import CurveKeys, create_key_set
 from common.ids import DeviceId
@@ -28,6 +27,7 @@ from common.settings import CoordinatorSettings
 from common.sockets import connect_dealer
 from services.coordinator.jobs import JobRun
 from services.coordinator.service import Coordinator
+from services.worker.bandwidth import BandwidthSink, probe_link
 from tests.cluster import LocalCluster
 
 A, B = DeviceId("a"), DeviceId("b")

@@ -37,7 +37,7 @@ PROFILE = textwrap.dedent(
 SINK = textwrap.dedent(
     """
     import sys, time, zmq
-    from common.bandwidth import BandwidthSink
+    from services.worker.bandwidth import BandwidthSink
     with BandwidthSink(zmq.Context(), f"tcp://{sys.argv[1]}:7100") as sink:
         print("listening", sink.endpoint, flush=True)
         time.sleep(120)
@@ -47,7 +47,7 @@ SINK = textwrap.dedent(
 PROBE = textwrap.dedent(
     """
     import sys, zmq
-    from common.bandwidth import probe_link
+    from services.worker.bandwidth import probe_link
     ctx = zmq.Context()
     probe_link(ctx, sys.argv[1], nbytes=1 << 18, count=4, timeout_s=30)  # warm the path
     got = probe_link(ctx, sys.argv[1], nbytes=1 << 20, count=24, timeout_s=60)

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from common.errors import ConfigError
-from common.presets import DEVICE_KINDS, environment
+from services.testbed.presets import DEVICE_KINDS, environment
 from services.testbed.spec import (
     CPU_BUDGET,
     GALAXY_WORKER_BYTES,

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import zmq
 
-from common.bandwidth import BandwidthSink
 from common.curve import CurveKeys, create_key_set
 from common.ids import DeviceId
 from common.messages import LinksMeasured, MeasureLinks, Message
+from services.worker.bandwidth import BandwidthSink
 from services.worker.links import LinkProber, measure
 
 A, B, C = DeviceId("a"), DeviceId("b"), DeviceId("c")

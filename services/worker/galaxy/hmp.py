@@ -29,8 +29,9 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError
-from common.galaxy import blocks, model
-from common.galaxy.collectives import (
+from common.galaxy.config import TransformerConfig
+from services.lib.galaxy import blocks, model
+from services.worker.galaxy.collectives import (
     DEFAULT_TIMEOUT_S,
     all_gather,
     gather_gemm,
@@ -39,8 +40,7 @@ from common.galaxy.collectives import (
     placement,
     row_offsets,
 )
-from common.galaxy.config import TransformerConfig
-from common.galaxy.ring import Ring
+from services.worker.galaxy.ring import Ring
 
 __all__ = ["Layout", "RingLayout", "generate", "new_cache", "run"]
 

@@ -17,9 +17,9 @@ from torch import Tensor
 
 from common.accelerator import synchronize
 from common.errors import ConfigError
-from common.galaxy import blocks
 from common.galaxy.config import LAYER_KEYS, TransformerConfig, layer_key
-from common.galaxy.cost import BlockProfile
+from common.galaxy.profile import BlockProfile
+from services.lib.galaxy import blocks
 
 __all__ = ["profile_blocks", "random_layer", "scaled"]
 

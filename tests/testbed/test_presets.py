@@ -3,7 +3,8 @@
 import pytest
 
 from common.errors import ConfigError
-from common.presets import (
+from common.profile import ClusterSpec
+from services.testbed.presets import (
     DEVICE_KINDS,
     ENVIRONMENTS,
     GALAXY_ENVIRONMENTS,
@@ -22,7 +23,6 @@ from common.presets import (
     galaxy_devices,
     slowdown,
 )
-from common.profile import ClusterSpec
 
 GiB = 1 << 30
 

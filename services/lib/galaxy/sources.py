@@ -21,9 +21,9 @@ from torch import Tensor
 from common.errors import ConfigError
 from common.extras import require
 from common.galaxy.config import TransformerConfig
-from common.galaxy.model import init_tensor
-from common.galaxy.weights import expected_shapes, from_bert_small, from_transformers
 from common.store import Store
+from services.lib.galaxy.model import init_tensor
+from services.lib.galaxy.weights import expected_shapes, from_bert_small, from_transformers
 
 __all__ = [
     "from_checkpoint",
@@ -97,7 +97,7 @@ def from_checkpoint(
         ConfigError: Unknown job, no committed checkpoint, or a model other than bert_small.
 
     """
-    from common.export import trained_model  # the zoo and checkpoints: only this source
+    from services.lib.export import trained_model  # the zoo and checkpoints: only this source
 
     zoo, chosen = trained_model(store, job, round_no)
     config, w = from_bert_small(zoo)

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError
-from common.galaxy import blocks
 from common.galaxy.config import TransformerConfig
-from common.galaxy.weights import expected_shapes
+from services.lib.galaxy import blocks
+from services.lib.galaxy.weights import expected_shapes
 
 __all__ = [
     "KVCache",

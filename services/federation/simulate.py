@@ -24,9 +24,9 @@ from common.fl.data import (
     label_histogram,
     load_digits_split,
 )
-from common.fl.grouping import Groups
-from common.fl.strategies import FitResult, Strategy
 from common.zoo import ModelSpec, OptionValue, build_model
+from services.federation.grouping import Groups
+from services.federation.strategies import FitResult, Strategy
 
 __all__ = [
     "DIGITS_CNN",

@@ -18,8 +18,9 @@ from typing import Literal
 
 from common.errors import ConfigError, PlanError
 from common.galaxy.config import TransformerConfig
-from common.galaxy.cost import BlockProfile, device_memory_bytes, memory_bytes
 from common.galaxy.plan import InferencePlan
+from common.galaxy.profile import BlockProfile
+from services.coordinator.galaxy.cost import device_memory_bytes, memory_bytes
 
 __all__ = [
     "balanced_partition",

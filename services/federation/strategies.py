@@ -14,8 +14,9 @@ from typing import ClassVar
 from torch import Tensor
 
 from common.errors import ConfigError
-from common.fl.aggregate import StalenessKind, async_merge, staleness_weight
-from common.fl.grouping import (
+from common.fl.spec import FederationSpec, RobustAggregation
+from services.federation.aggregate import StalenessKind, async_merge, staleness_weight
+from services.federation.grouping import (
     Groups,
     GroupState,
     Regrouped,
@@ -24,7 +25,7 @@ from common.fl.grouping import (
     group_homes,
     regroup,
 )
-from common.fl.robust import RobustAggregation, Screen, Screened, Update, combine
+from services.federation.robust import Screen, Screened, Update, combine
 
 __all__ = [
     "STRATEGIES",
@@ -36,6 +37,7 @@ __all__ = [
     "FitResult",
     "Strategy",
     "make_strategy",
+    "strategy_for",
 ]
 
 
@@ -63,7 +65,7 @@ class Strategy(ABC):
     The default aggregation is Eco-FL's: FedAvg inside the group, then an asynchronous
     merge into the global model with mixing weight ``alpha * s(t - tau)``. `robust`
     says how updates are screened (`screen`) and how a group's models are combined
-    (see `common.fl.robust`); its defaults leave an honest federation's FedAvg exact.
+    (see `services.federation.robust`); its defaults leave an honest federation's FedAvg exact.
     """
 
     name: ClassVar[str]
@@ -260,3 +262,17 @@ def make_strategy(
             f"unknown strategy {name!r}: expected one of {', '.join(sorted(STRATEGIES))}"
         ) from None
     return cls(groups, alpha, staleness, exponent, rt_fraction, latency_weight, robust)
+
+
+def strategy_for(spec: FederationSpec) -> Strategy:
+    """The strategy a federation spec names, with its parameters."""
+    return make_strategy(
+        spec.strategy,
+        spec.groups,
+        spec.mixing,
+        spec.staleness,
+        spec.exponent,
+        spec.rt_fraction,
+        spec.latency_weight,
+        spec.aggregation,
+    )

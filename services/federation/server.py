@@ -36,9 +36,9 @@ from typing import Any, Literal
 from torch import Tensor
 
 from common.errors import ConfigError
-from common.fl.grouping import GroupState
-from common.fl.robust import Screened
-from common.fl.strategies import FitResult, Strategy
+from services.federation.grouping import GroupState
+from services.federation.robust import Screened
+from services.federation.strategies import FitResult, Strategy
 
 __all__ = ["Federation", "FederationError", "Regroup", "RoundEnd", "StaleUpdate", "Task"]
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError, ProtocolError
-from common.galaxy.ring import Ring
+from services.worker.galaxy.ring import Ring
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

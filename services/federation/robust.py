@@ -34,15 +34,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from common.errors import ConfigError
-from common.fl.aggregate import fedavg
+from common.fl.spec import CombineRule, RobustAggregation
+from services.federation.aggregate import fedavg
 
 __all__ = [
-    "CombineRule",
-    "RobustAggregation",
     "Screen",
     "Screened",
     "Update",
@@ -54,55 +52,6 @@ __all__ = [
     "lower_median",
     "trimmed_mean",
 ]
-
-CombineRule = Literal["mean", "trimmed_mean", "median"]
-
-
-class RobustAggregation(BaseModel):
-    """How a federation screens and combines homes' updates (the spec's ``aggregation``).
-
-    The defaults protect without changing an honest federation's FedAvg: honest homes'
-    deltas stay well inside ten times the median, their sample counts inside ten times
-    the median count.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    combine: CombineRule = Field(
-        "mean",
-        description="mean (sample-weighted, FedAvg), trimmed_mean or median (coordinate-wise, "
-        "unweighted).",
-    )
-    trim: float = Field(
-        0.2, ge=0, lt=0.5, description="Fraction trimmed from each end by trimmed_mean."
-    )
-    clip_norm: float | None = Field(
-        10.0,
-        gt=1,
-        le=1e6,
-        description="Clip an update's delta from the model it trained from to this multiple "
-        "of the median delta norm (None: no clipping).",
-    )
-    reject_norm: float | None = Field(
-        1000.0,
-        gt=1,
-        le=1e12,
-        description="Reject an update whose delta norm exceeds this multiple of the median "
-        "(None: never).",
-    )
-    sample_clip: float | None = Field(
-        10.0,
-        gt=1,
-        le=1e6,
-        description="Cut a sample count above this multiple of the median count down to it "
-        "(None: never).",
-    )
-    max_samples: int = Field(
-        10_000_000, ge=1, le=1 << 40, description="Most samples a home may claim (join refused)."
-    )
-    history: int = Field(
-        32, ge=0, le=10_000, description="Recent taken updates the medians also count."
-    )
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ import pytest
 import torch
 import zmq
 
-from common.bandwidth import BandwidthError, BandwidthSink, probe_bandwidth, probe_link
 from common.codec import encode
 from common.curve import CurveKeys, create_key_set
 from common.errors import ConfigError
 from common.messages import PROTOCOL_VERSION, LinkData, LinkHello, Probe
 from common.sockets import connect_dealer
+from services.worker.bandwidth import BandwidthError, BandwidthSink, probe_bandwidth, probe_link
 
 
 @pytest.fixture

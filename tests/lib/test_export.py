@@ -8,10 +8,10 @@ from torch import nn
 
 from common.checkpoint import commit_checkpoint, save_stage
 from common.errors import CheckpointError, ConfigError
-from common.export import ExportInfo, committed_rounds, export_weights
 from common.job import JobSpec
 from common.store import Store
 from common.zoo import ModelSpec, build_model
+from services.lib.export import ExportInfo, committed_rounds, export_weights
 
 CNN = ModelSpec(name="small_cnn", options={"width": 4})
 BATCHNORM = ModelSpec(name="mobilenet_v2", options={"width_mult": 0.1})

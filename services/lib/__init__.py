@@ -1,0 +1,8 @@
+"""Libraries that several services import; not a service (no process, no entry point).
+
+An engine used by exactly one service lives inside that service; one that two truly
+share lives here, above `common` (which holds contracts only) and below every service.
+`galaxy`: the Transformer blocks, model and weight sources that both the coordinator
+(reading a checkpoint's shape) and the workers (loading their shards) use. `export`:
+a training job's committed model, for `asteroid export` and Galaxy's checkpoint source.
+"""

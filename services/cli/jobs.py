@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from common.errors import AsteroidError, ConfigError, DataPathError
+from common.errors import AsteroidError, ConfigError, DataPathError, StoreError
 from common.exit_codes import ExitCode
-from common.ids import DeviceId
+from common.ids import DeviceId, check_job_id
 from common.records.devices import read_devices
 from common.records.jobs import read_job, recent_jobs
 from common.settings import CommonSettings
@@ -259,8 +259,6 @@ def status(
     cluster: ClusterOpt = None,
 ) -> None:
     """Devices (heartbeat age, stage, memory) and jobs (state, round, samples/s)."""
-    from common.job import check_job_id
-
     try:
         if job is not None:
             check_job_id(job, "the command line")
@@ -270,6 +268,8 @@ def status(
     try:
         console.print(devices_table(store))
         console.print(jobs_table(store, job))
+    except StoreError as exc:  # a record no coordinator wrote, named
+        raise _fail(exc, ExitCode.FAILED) from exc
     finally:
         store.close()
 

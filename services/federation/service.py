@@ -37,6 +37,7 @@ from common.fl.wire import state_frame, state_from_frame
 from common.inbound import MemoryGuard
 from common.logging import get_logger
 from common.messages import Message
+from common.records.federation import count_start, forget_federation
 from common.settings import FederationSettings
 from common.sockets import bind_router, reset_router
 from common.store import Store
@@ -90,8 +91,8 @@ class FederationService:
         self.store.ping()  # one named error if Redis is away, before anything uses it
         fid = spec.federation_id
         if settings.replace:
-            self.store.r.delete(*(self.store.key(p, fid) for p in ("fl", "fl-model", "fl-metrics")))
-        starts = int(self.store.r.hincrby(self.store.key("fl", fid), "starts", 1))
+            forget_federation(self.store, fid)
+        starts = count_start(self.store, fid)
         self.federation = Federation(
             strategy_for(spec),
             self.net.state_dict(),

@@ -10,7 +10,6 @@ state dict that `torch.load(weights_only=True)` reads).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +17,10 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from common.checkpoint import latest_round, load_full_state
+from common.checkpoint import committed_rounds, latest_round, load_full_state
 from common.errors import CheckpointError, ConfigError, validation_message
 from common.job import JobSpec
+from common.records.documents import read_jobspec
 from common.store import Store
 from common.zoo import ZooModel, build_model
 
@@ -48,24 +48,8 @@ class ExportInfo:
     tensors: int
 
 
-def committed_rounds(store: Store, job_id: str) -> list[int]:
-    """The rounds of `job_id` with a committed checkpoint, oldest first.
-
-    A scan of the job's checkpoint manifests: used to tell the user which
-    rounds exist when the one asked for does not.
-    """
-    prefix = store.key("ckpt", job_id, "")
-    pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "*:manifest"
-    rounds = []
-    for raw in store.r.scan_iter(match=pattern, count=1000):
-        middle = raw.decode().removeprefix(prefix).removesuffix(":manifest")
-        if middle.isdigit():  # per-layer blob manifests have more parts
-            rounds.append(int(middle))
-    return sorted(rounds)
-
-
 def _job_spec(store: Store, job_id: str) -> JobSpec:
-    raw = store.get_json("jobspec", job_id)
+    raw = read_jobspec(store, job_id)
     if raw is None:
         raise ConfigError(f"unknown job {job_id!r}: no job spec is stored under that name")
     try:

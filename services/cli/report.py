@@ -15,8 +15,11 @@ from typing import Any
 
 from rich.table import Table
 
+from common.errors import ConfigError
 from common.plan import Plan
-from common.profile import ClusterSpec, load_profiles
+from common.profile import load_profiles
+from common.records.documents import read_cluster, read_plan
+from common.records.metrics import read_metrics
 from common.store import Store
 from services.planner.cost import CostModel
 from services.planner.simulator import SimResult, simulate
@@ -49,12 +52,13 @@ class JobReport:
 
 def job_report(store: Store, job_id: str) -> JobReport:
     """Assemble the report of `job_id` from Redis."""
-    plan = Plan.model_validate(store.get_json("plan", job_id))
-    metrics = store.read("metrics", job_id)
-    cluster_data = store.get_json("cluster", job_id)
+    plan = read_plan(store, job_id)
+    if plan is None:
+        raise ConfigError(f"job {job_id} has no plan in Redis: it was never planned")
+    metrics = [m.fields() for m in read_metrics(store, job_id)]
+    cluster = read_cluster(store, job_id)
     sim, cost = None, None
-    if cluster_data is not None:
-        cluster = ClusterSpec.model_validate(cluster_data)
+    if cluster is not None:
         profiles = load_profiles(store, sorted({d.profile for d in cluster.devices}))
         cost = CostModel(profiles, cluster)
         sim = simulate(plan, cost)

@@ -22,8 +22,9 @@ from common.profile import ClusterSpec, Profile, load_profiles
 from common.settings import CommonSettings
 from common.store import Store
 from services.cli.console import CliConsole, shown
-from services.planner.base import PLANNERS, check_memory, get_planner
+from services.planner.base import check_memory
 from services.planner.cost import CostModel
+from services.planner.registry import PLANNERS, get_planner
 from services.planner.simulator import SimResult, simulate
 
 __all__ = ["plan", "plan_table"]

@@ -55,7 +55,6 @@ from services.planner.base import (
     Planner,
     finish,
     micro_size,
-    register,
     require_fits_somewhere,
     stage,
 )
@@ -336,7 +335,6 @@ def candidate_cuts(cost: CostModel, device: str, micro: int, max_cuts: int) -> l
     return sorted(cuts)
 
 
-@register
 class AsteroidPlanner(Planner):
     """Asteroid's memory-aware HPP planner (Algorithms 1 and 2).
 

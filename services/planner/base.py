@@ -14,29 +14,24 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
-from common.errors import ConfigError, PlanError
+from common.errors import PlanError
 from common.ids import DeviceId
 from common.plan import Allocation, Plan, StageSpec
 from services.planner.cost import CostModel
 from services.planner.simulator import estimate, estimate_parts
 
 __all__ = [
-    "PLANNERS",
     "PlanDoesNotFit",
     "Planner",
     "check_memory",
     "estimate",
     "finish",
     "fmt_bytes",
-    "get_planner",
     "micro_size",
-    "register",
     "require_fits_somewhere",
     "shortfall",
     "stage",
 ]
-
-PLANNERS: dict[str, type[Planner]] = {}
 
 
 class PlanDoesNotFit(PlanError):
@@ -55,22 +50,6 @@ class Planner(ABC):
     @abstractmethod
     def plan(self, cost: CostModel, global_batch: int, microbatches: int) -> Plan:
         """The plan for training with `global_batch` samples in `microbatches` per round."""
-
-
-def register(cls: type[Planner]) -> type[Planner]:
-    """Class decorator adding a planner to `PLANNERS` under its `name`."""
-    PLANNERS[cls.name] = cls
-    return cls
-
-
-def get_planner(name: str) -> Planner:
-    """A fresh planner called `name`; ConfigError naming the known ones otherwise."""
-    try:
-        return PLANNERS[name]()
-    except KeyError:
-        raise ConfigError(
-            f"unknown planner {name!r}; known planners: {', '.join(sorted(PLANNERS))}"
-        ) from None
 
 
 def fmt_bytes(n: float) -> str:
@@ -190,8 +169,3 @@ def finish(
             "predicted_peak_bytes": cost.plan_memory(plan),
         }
     )
-
-
-# The planners register themselves on import; importing them last (they import
-# this module) fills PLANNERS for anyone who imports only `base`.
-from services.planner import asteroid, baselines, duanwu  # noqa: E402, F401

@@ -27,7 +27,6 @@ from services.planner.base import (
     check_memory,
     finish,
     micro_size,
-    register,
     require_fits_somewhere,
     stage,
 )
@@ -66,7 +65,6 @@ def _uniform_comm(cost: CostModel, boundary: int, samples: int) -> float:
     return 2 * one
 
 
-@register
 class DataParallelPlanner(Planner):
     """Heterogeneity-balanced data parallelism, as EDDL (Hao & Zhang, 2021) does.
 
@@ -86,7 +84,6 @@ class DataParallelPlanner(Planner):
         return finish(self.name, cost, [spec], global_batch, microbatches, memory_aware=False)
 
 
-@register
 class GPipePlanner(Planner):
     """GPipe (Huang et al., NeurIPS'19): equal layer counts, one device per stage.
 
@@ -109,7 +106,6 @@ class GPipePlanner(Planner):
         return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=False)
 
 
-@register
 class PipeDreamPlanner(Planner):
     """PipeDream's partitioner (Narayanan et al., SOSP'19) on identical devices.
 
@@ -172,7 +168,6 @@ class PipeDreamPlanner(Planner):
         return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=False)
 
 
-@register
 class DapplePlanner(Planner):
     """DAPPLE's planner (Fan et al., PPoPP'21) under its homogeneous assumption.
 
@@ -218,7 +213,6 @@ class DapplePlanner(Planner):
         return finish(self.name, cost, specs, global_batch, microbatches, memory_aware=False)
 
 
-@register
 class HetPipePlanner(Planner):
     """HetPipe (Park et al., ATC'20): virtual workers of heterogeneous devices.
 
@@ -261,7 +255,6 @@ class HetPipePlanner(Planner):
         return best
 
 
-@register
 class OptimalPlanner(Planner):
     """Exhaustive search, the yardstick for small instances.
 

@@ -37,7 +37,6 @@ from services.planner.base import (
     Planner,
     finish,
     micro_size,
-    register,
     require_fits_somewhere,
     stage,
 )
@@ -570,7 +569,6 @@ def _idle_s(res: SimResult) -> float:
     return max(0.0, res.round_s - max(busy.values(), default=0.0))
 
 
-@register
 class DuanWuPlanner(Planner):
     """Duan & Wu (2022): Algorithm 1's partition over Algorithm 2's device groups.
 

@@ -32,8 +32,8 @@ from common.profile import load_profiles
 from common.settings import CommonSettings
 from common.sockets import connect_dealer
 from common.store import Store
-from services.planner.base import get_planner
 from services.planner.cost import CostModel
+from services.planner.registry import get_planner
 from services.planner.simulator import estimate
 
 __all__ = ["IDENTITY", "PlannerService", "main", "make_plan", "run"]

@@ -19,7 +19,8 @@ import time
 
 from common.errors import PlanError
 from services.planner.asteroid import AsteroidPlanner
-from services.planner.base import PLANNERS, Planner, check_memory, get_planner
+from services.planner.base import Planner, check_memory
+from services.planner.registry import PLANNERS, get_planner
 from services.planner.simulator import simulate
 from tests.planner.fixtures import effnet_like_cost
 

@@ -56,8 +56,9 @@ import torch
 from common.errors import AsteroidError
 from common.profile import Profile
 from common.zoo import ModelSpec
-from services.planner.base import PLANNERS, PlanDoesNotFit, check_memory, get_planner
+from services.planner.base import PlanDoesNotFit, check_memory
 from services.planner.cost import CostModel
+from services.planner.registry import PLANNERS, get_planner
 from services.planner.simulator import simulate
 from services.profiler.layers import profile_model
 from services.testbed.presets import JETSON_XAVIER_NX, cluster_for, environment
@@ -187,7 +188,6 @@ def scale_profile(prof: Profile, factors: list[float]) -> Profile:
 
 
 def planner_names() -> list[str]:
-    get_planner("asteroid")  # imports the planner modules, which fill the registry
     names = [n for n in PLANNERS if n not in EXCLUDED]
     return sorted(names, key=lambda n: (PLANNER_ORDER.index(n) if n in PLANNER_ORDER else 99, n))
 

@@ -41,8 +41,8 @@ from common.plan import Plan
 from common.profile import ClusterSpec, DeviceSpec, Profile
 from common.store import Store
 from common.zoo import ModelSpec, build_model
-from services.planner.base import get_planner
 from services.planner.cost import CostModel
+from services.planner.registry import get_planner
 from services.profiler.layers import profile_model
 from tests.gpu import exact_cuda
 from tests.reference import reference_train, weight_difference

@@ -30,8 +30,8 @@ import torch
 from common.plan import Plan
 from common.profile import ClusterSpec, DeviceSpec, Profile
 from common.zoo import ModelSpec
-from services.planner.base import get_planner
 from services.planner.cost import CostModel
+from services.planner.registry import get_planner
 from services.planner.simulator import simulate
 from services.profiler.layers import profile_model
 from tests.integration.test_equivalence import run_job

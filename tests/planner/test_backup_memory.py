@@ -21,8 +21,9 @@ import pytest
 
 from common.plan import Plan
 from services.planner.balance import fit_backups
-from services.planner.base import PlanDoesNotFit, check_memory, get_planner
+from services.planner.base import PlanDoesNotFit, check_memory
 from services.planner.cost import CostModel
+from services.planner.registry import get_planner
 from services.planner.simulator import simulate
 from tests.planner.fixtures import hetero_cost, layered_profile, make_plan
 

@@ -13,7 +13,6 @@ import random
 import pytest
 
 from common.plan import Plan
-from services.planner.base import get_planner
 from services.planner.cost import CostModel
 from services.planner.duanwu import (
     BETA_RANGE,
@@ -30,6 +29,7 @@ from services.planner.duanwu import (
     split_specs,
     split_time,
 )
+from services.planner.registry import get_planner
 from services.planner.simulator import simulate
 from tests.planner.fixtures import MiB, hetero_cost, layered_profile
 

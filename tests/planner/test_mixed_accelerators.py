@@ -16,8 +16,8 @@ from common.plan import Plan
 from common.profile import Profile
 from services.coordinator.membership import Member
 from services.coordinator.profiling import cluster_for
-from services.planner.base import get_planner
 from services.planner.cost import CostModel
+from services.planner.registry import get_planner
 from tests.planner.fixtures import layered_profile
 
 GiB = 1 << 30

@@ -11,14 +11,9 @@ from common.plan import Plan
 from services.planner._steps import comm_time, stage_time, total
 from services.planner.asteroid import AsteroidPlanner
 from services.planner.balance import balance
-from services.planner.base import (
-    PLANNERS,
-    PlanDoesNotFit,
-    check_memory,
-    fmt_bytes,
-    get_planner,
-)
+from services.planner.base import PlanDoesNotFit, check_memory, fmt_bytes
 from services.planner.cost import CostModel
+from services.planner.registry import PLANNERS, get_planner
 from services.planner.simulator import estimate, simulate
 from tests.planner.fixtures import (
     MiB,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import zmq
@@ -37,13 +37,12 @@ from common.logging import get_logger
 from common.message_base import WireModel
 from common.messages import Message
 from common.plan import Plan
+from common.records.documents import read_plan
 from common.sockets import connect_dealer
 from common.zoo import build_model
 from services.coordinator.checks import CheckedJob
+from services.coordinator.host import Host
 from services.coordinator.jobs import JobCancelled, JobFailed, JobRun, JobSummary
-
-if TYPE_CHECKING:
-    from services.coordinator.service import Coordinator
 
 __all__ = ["FederatedRun", "FederationLink", "home_identity"]
 
@@ -129,7 +128,7 @@ class FederationLink:
 class FederatedRun:
     """Runs a job with a `federation` section as one home of that federation."""
 
-    def __init__(self, coord: Coordinator, checked: CheckedJob) -> None:
+    def __init__(self, coord: Host, checked: CheckedJob) -> None:
         job = checked.spec
         if job.federation is None:
             raise ConfigError(f"job {job.job_id} has no federation section")
@@ -249,9 +248,8 @@ class FederatedRun:
 
     def _plan_of(self, piece_id: str) -> Plan | None:
         """The plan the last piece ended on, for the next one, if all its devices are here."""
-        stored = self.coord.store.get_json("plan", piece_id)
-        if stored is None:
+        plan = read_plan(self.coord.store, piece_id)
+        if plan is None:
             return None
-        plan = Plan.model_validate(stored)
         alive = self.coord.alive()
         return plan if all(d in alive for d in plan.devices) else None

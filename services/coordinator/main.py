@@ -23,6 +23,7 @@ from common.logging import get_logger
 from common.messages import PlanRequest
 from common.plan import Plan, load_plan
 from common.profile import ClusterSpec
+from common.records.documents import read_plan
 from common.secrets import mask_text
 from common.settings import CoordinatorSettings
 from common.version import VERSION
@@ -40,13 +41,13 @@ def _plan(coord: Coordinator, settings: CoordinatorSettings, job: JobSpec) -> Pl
     if source.startswith("planner:"):
         return coord.request_plan(_plan_request(settings, job, source[8:]), settings.plan_timeout_s)
     if source == "redis":
-        data = coord.store.get_json("plan", job.job_id)
-        if data is None:
-            raise ConfigError(f"no plan stored in Redis for job {job.job_id}")
         try:
-            return Plan.model_validate(data)
+            stored = read_plan(coord.store, job.job_id)
         except ValidationError as exc:
             raise ConfigError(f"plan stored for job {job.job_id} is invalid: {exc}") from exc
+        if stored is None:
+            raise ConfigError(f"no plan stored in Redis for job {job.job_id}")
+        return stored
     plan = load_plan(Path(source))
     for name in ("global_batch", "microbatches"):
         wanted = getattr(job, name)

@@ -2,8 +2,8 @@
 
 Profiling and planning come first (`_plan`); from the assignment on, every
 decision is `driver.apply`'s, and `JobRun` only carries its commands out and
-feeds it events: it owns the coordinator's ROUTER (through `Coordinator.events`
-and `send`), Redis (every write waits out an outage, `Coordinator.durable`)
+feeds it events: it owns the coordinator's ROUTER (through `Host.events`
+and `send`), Redis (every write waits out an outage, `Host.durable`)
 and the clock. It records every lifecycle transition in Redis (`job:<id>`
 hash and the `events` stream) and every committed round in the `metrics` and
 `ledger` streams. Rounds are committed only when every device reported; a
@@ -16,9 +16,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 from torch import Tensor
@@ -35,13 +34,16 @@ from common.ids import DeviceId
 from common.init_weights import load_init
 from common.lifecycle import TERMINAL, JobState, advance
 from common.logging import bind_global, get_logger
-from common.messages import LinksMeasured, PlanRequest
+from common.messages import PlanRequest
 from common.plan import Plan, validate_async
 from common.profile import ClusterSpec, load_profiles
+from common.records.counters import raise_plan_epoch
+from common.records.documents import put_cluster, put_plan, read_cluster, read_plan
+from common.records.jobs import commit_round
 from common.secrets import mask_text
 from common.store import OUTAGE
 from common.zoo import build_model
-from services.coordinator import driver, links
+from services.coordinator import driver
 from services.coordinator.checks import CheckedJob
 from services.coordinator.core import Beats, Heard, Log, SendProbe
 from services.coordinator.driver import (
@@ -67,8 +69,11 @@ from services.coordinator.driver import (
     SetAssigned,
     StorePlan,
 )
+from services.coordinator.host import Host
+from services.coordinator.link_survey import measure_links
 from services.coordinator.membership import Members
 from services.coordinator.metrics_stream import MetricsStream
+from services.coordinator.outcomes import DeviceLost, JobCancelled, JobFailed, JobSummary
 from services.coordinator.profiling import cluster_for, profile_budgets, profile_workers
 from services.coordinator.recovery import (
     MemoryInputs,
@@ -77,9 +82,6 @@ from services.coordinator.recovery import (
     memory_inputs,
 )
 from services.coordinator.vetting import Vetting
-
-if TYPE_CHECKING:
-    from services.coordinator.service import Coordinator
 
 __all__ = ["DeviceLost", "JobCancelled", "JobFailed", "JobRun", "JobSummary"]
 
@@ -90,63 +92,12 @@ STREAM_MAX = 10_000
 """Entries the events stream keeps (the store's default cap)."""
 
 
-class JobFailed(AsteroidError):
-    """The job cannot continue; the message says which worker and why."""
-
-
-class DeviceLost(JobFailed):
-    """Devices are gone (dead after an unanswered probe, or hung), outside a job's core."""
-
-    def __init__(self, devices: list[DeviceId], why: str) -> None:
-        super().__init__(why)
-        self.devices = sorted(devices)
-
-
-class JobCancelled(AsteroidError):
-    """Someone cancelled the job; its last committed checkpoint stays."""
-
-
-@dataclass
-class JobSummary:
-    """What a finished job reports."""
-
-    job_id: str
-    rounds: int
-    losses: list[float] = field(default_factory=list)
-    accuracies: list[float] = field(default_factory=list)
-    round_s: list[float] = field(default_factory=list)
-    max_alive: dict[str, int] = field(default_factory=dict)
-    peak_bytes: dict[str, int] = field(default_factory=dict)
-    """Per device, the most bytes it held at once in a round: task pool plus kept activations."""
-    checkpoints: list[int] = field(default_factory=list)
-    evals: list[tuple[int, float, float]] = field(default_factory=list)
-    """(round, held-out loss, held-out accuracy) after each evaluation."""
-    recoveries: list[dict[str, Any]] = field(default_factory=list)
-    """One record per recovery: devices lost, round resumed from, rounds replayed, seconds."""
-
-    @classmethod
-    def of(cls, job_id: str, rounds: int, s: driver.Summary) -> JobSummary:
-        """The core's summary, as callers read it."""
-        return cls(
-            job_id=job_id,
-            rounds=rounds,
-            losses=list(s.losses),
-            accuracies=list(s.accuracies),
-            round_s=list(s.round_s),
-            max_alive=dict(s.max_alive),
-            peak_bytes=dict(s.peak_bytes),
-            checkpoints=list(s.checkpoints),
-            evals=list(s.evals),
-            recoveries=[dict(r) for r in s.recoveries],
-        )
-
-
 class JobRun:
     """Drives one job through its lifecycle on a coordinator's workers."""
 
     def __init__(
         self,
-        coord: Coordinator,
+        coord: Host,
         checked: CheckedJob,
         initial: Mapping[str, Tensor] | None = None,
     ) -> None:
@@ -274,11 +225,11 @@ class JobRun:
         keys = profile_workers(coord, job, members)
         base = coord.cluster_base()
         budgets = profile_budgets(coord, keys)
-        measured = None if base is not None and base.links else self._measure_links(members)
+        measured = None if base is not None and base.links else measure_links(coord, members)
         cluster = cluster_for(
             members, keys, budgets, base, settings.link_bandwidth, measured, slowdowns
         )
-        self.store.put_json(cluster.model_dump(mode="json"), "cluster", self.jid)
+        put_cluster(self.store, self.jid, cluster)
         self.cluster = cluster
         if state is not None:
             self.record(state, planner=job.planner)
@@ -295,76 +246,11 @@ class JobRun:
         )
         return coord.request_scored_plan(req, settings.plan_timeout_s)
 
-    def _measure_links(self, members: Members) -> dict[str, float]:
-        """Measure each pair of `members` in turn, store the matrix; bytes/s by pair.
-
-        Done in the shell the way profiling is: each request waits through
-        `Coordinator.request`, which keeps pumping heartbeats (and honours a
-        cancel) meanwhile; a pair that fails or times out is left to the
-        fallback bandwidth, never fails the job. Runs only before a plan (a
-        job's start, a re-plan at a round boundary), never inside a round.
-        """
-        coord, settings = self.coord, self.coord.settings
-        rates: dict[str, float] = {}
-        errors: dict[str, str] = {}
-        if settings.link_probe_bytes > 0:
-            for prober, target in links.pairs(members):
-                got, why = self._measure_pair(members, prober, target)
-                rates.update(got)
-                errors.update(why)
-        matrix = links.LinkMatrix(
-            measured_at=time.time(), devices=sorted(members), links=rates, errors=errors
-        )
-        doc = matrix.model_dump(mode="json")
-        coord.durable("storing the link matrix", lambda: self.store.put_json(doc, *links.LINKS_KEY))
-        missing = links.unmeasured(members, rates)
-        log.info("links measured", pairs=len(rates), links={k: round(v) for k, v in rates.items()})
-        if missing:
-            log.warning(
-                "links not measured: the planner assumes the fallback bandwidth for them",
-                pairs=missing,
-                bandwidth=settings.link_bandwidth,
-                why={k: errors.get(k, "measuring is off (link_probe_bytes 0)") for k in missing},
-            )
-        return rates
-
-    def _measure_pair(
-        self, members: Members, prober: DeviceId, target: DeviceId
-    ) -> tuple[dict[str, float], dict[str, str]]:
-        """Ask `prober` to measure its link to `target`'s sink: (rates, errors) by pair."""
-        coord, settings = self.coord, self.coord.settings
-        key = links.pair_key(prober, target)
-        addr = members[target].info.link_addr
-        if not addr:
-            return {}, {key: f"worker {target} advertises no bandwidth sink"}
-        nonce = coord.link_nonce(prober)
-        req = links.request(
-            nonce, target, addr, settings.link_probe_bytes, settings.link_probe_timeout_s
-        )
-        try:
-            reply = coord.request(
-                prober,
-                req,
-                lambda m: isinstance(m, LinksMeasured) and m.nonce == nonce,
-                settings.link_probe_timeout_s + links.REPLY_SLACK_S,
-                what=f"measurement of its link to {target}",
-            )
-        except JobCancelled:
-            raise
-        except JobFailed as exc:  # no answer in time: this pair falls back
-            return {}, {key: str(exc)}
-        finally:
-            coord.links_pending.discard((prober, nonce))
-        return links.answer(req, reply)
-
     # --- training: the core's shell -------------------------------------------
 
     def _stored_plan(self) -> Plan | None:
         """The plan the job last ran on, if Redis has one."""
-        stored = self.coord.durable(
-            "reading the plan", lambda: self.store.get_json("plan", self.jid)
-        )
-        return None if stored is None else Plan.model_validate(stored)
+        return self.coord.durable("reading the plan", lambda: read_plan(self.store, self.jid))
 
     def _train(self, plan: Plan, resume: bool, committed: int = 0) -> JobSummary:
         """Prepare the first assignment, then let the core run the job to its end.
@@ -379,9 +265,7 @@ class JobRun:
         if job.mode == "async":
             validate_async(plan)
         store = self.store
-        coord.durable(
-            "storing the plan", lambda: store.put_json(plan.model_dump(mode="json"), "plan", jid)
-        )
+        coord.durable("storing the plan", lambda: put_plan(store, jid, plan))
         coord.wait_for_devices(plan.devices, coord.settings.join_timeout_s)
         start = (
             coord.durable("finding the checkpoint", lambda: latest_round(store, jid))
@@ -492,13 +376,12 @@ class JobRun:
             entry = dict(cmd.entry)
             coord.durable(cmd.what, lambda: store.append(cmd.stream, jid, entry, maxlen=maxlen))
         elif isinstance(cmd, StorePlan):
-            plan = cmd.plan.model_dump(mode="json")
-            coord.durable("storing the plan", lambda: store.put_json(plan, "plan", jid))
+            coord.durable("storing the plan", lambda: put_plan(store, jid, cmd.plan))
         elif isinstance(cmd, SetAssigned):
             coord.assigned = cmd.devices
         elif isinstance(cmd, CheckStore):
             # leaders write to Redis; they wait out an outage themselves, but none need start in one
-            coord.durable(cmd.what, store.r.ping)
+            coord.durable(cmd.what, store.probe)
         elif isinstance(cmd, CommitCheckpoint):
             self._commit(cmd)
         else:
@@ -511,9 +394,8 @@ class JobRun:
         """Carry out a command whose answer the core waits for."""
         coord, store, jid = self.coord, self.store, self.jid
         if isinstance(cmd, RaiseEpoch):
-            key = store.key("epoch")
             return EpochRaised(
-                int(coord.durable("raising the plan epoch", lambda: store.r.incr(key)))
+                coord.durable("raising the plan epoch", lambda: raise_plan_epoch(store))
             )
         if isinstance(cmd, ReadCapacities):
             return Capacities(*coord.durable("reading the job's profiles", self._capacities))
@@ -562,10 +444,9 @@ class JobRun:
         """
         cluster = self.cluster
         if cluster is None:  # resumed: the cluster an earlier coordinator planned for
-            stored = self.store.get_json("cluster", self.jid)
-            if stored is None:
+            cluster = read_cluster(self.store, self.jid)
+            if cluster is None:
                 return None, None, None
-            cluster = ClusterSpec.model_validate(stored)
         try:
             keys = sorted({d.profile for d in cluster.devices if d.profile})
             profiles = load_profiles(self.store, keys)
@@ -601,7 +482,7 @@ class JobRun:
             entries = {"metrics": (metrics, STREAM_MAX)}
             if cmd.ledger is not None:
                 entries["ledger"] = (dict(cmd.ledger), LEDGER_MAX)
-            store.update_job(jid, {**cmd.fields, "updated": now}, entries)
+            commit_round(store, jid, cmd.fields, entries, now)
             if cmd.ledger is not None:
                 store.wait_durable()  # a round is committed once Redis has it on disk
 

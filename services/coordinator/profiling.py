@@ -10,7 +10,6 @@ the next one is asked.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -21,10 +20,8 @@ from common.messages import Heartbeat, ProfileReply, ProfileRequest
 from common.model_key import model_key
 from common.profile import ClusterSpec, DeviceSpec, Profile
 from services.coordinator.claims import memory_cap
+from services.coordinator.host import Host
 from services.coordinator.membership import Member
-
-if TYPE_CHECKING:
-    from services.coordinator.service import Coordinator
 
 __all__ = [
     "batch_sizes",
@@ -47,7 +44,7 @@ def batch_sizes(micro: int) -> list[int]:
     return sorted({*sizes, micro})
 
 
-def _cached(coord: Coordinator, key: str, sizes: list[int]) -> bool:
+def _cached(coord: Host, key: str, sizes: list[int]) -> bool:
     data = coord.store.get_json("profile", key)
     if data is None:
         return False
@@ -59,7 +56,7 @@ def _cached(coord: Coordinator, key: str, sizes: list[int]) -> bool:
 
 
 def profile_workers(
-    coord: Coordinator, job: JobSpec, members: dict[DeviceId, Member]
+    coord: Host, job: JobSpec, members: dict[DeviceId, Member]
 ) -> dict[DeviceId, str]:
     """The profile key of each worker, profiling each kind of device at most once.
 
@@ -95,7 +92,7 @@ def profile_workers(
     return keys
 
 
-def profile_budgets(coord: Coordinator, keys: dict[DeviceId, str]) -> dict[str, int]:
+def profile_budgets(coord: Host, keys: dict[DeviceId, str]) -> dict[str, int]:
     """The memory budget each profile measured, by profile key."""
     out = {}
     for key in set(keys.values()):
@@ -104,7 +101,7 @@ def profile_budgets(coord: Coordinator, keys: dict[DeviceId, str]) -> dict[str, 
     return out
 
 
-def _ask_profilers(coord: Coordinator, req: ProfileRequest, device: DeviceId) -> str:
+def _ask_profilers(coord: Host, req: ProfileRequest, device: DeviceId) -> str:
     """Ask profiler services in turn until one on a device like `device` answers."""
     timeout = coord.settings.profile_timeout_s
     tried: list[str] = []

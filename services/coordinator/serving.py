@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -47,11 +47,9 @@ from services.coordinator.galaxy.planner import (
     plan_sp,
     require_capacity,
 )
+from services.coordinator.host import Host
 from services.coordinator.jobs import JobCancelled, JobFailed
 from services.lib.galaxy.sources import from_checkpoint
-
-if TYPE_CHECKING:
-    from services.coordinator.service import Coordinator
 
 __all__ = ["PendingRequest", "ServeRun", "profile_sizes", "refusal"]
 
@@ -116,7 +114,7 @@ def profile_sizes(total: int, points: int = 4) -> list[int]:
 class ServeRun:
     """One serving job on the coordinator's socket; `run` returns when it ends."""
 
-    def __init__(self, coord: Coordinator, spec: ServeSpec) -> None:
+    def __init__(self, coord: Host, spec: ServeSpec) -> None:
         self.coord = coord
         self.spec = spec
         self.state: JobState = "submitted"

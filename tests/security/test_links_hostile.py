@@ -20,12 +20,11 @@ import zmq
 from common.codec import encode
 from common.curve import CurveKeys, create_key_set
 from common.ids import DeviceId
-from common.job import JobSpec
 from common.messages import Heartbeat, LinkData, LinkHello, LinksMeasured
 from common.ports import free_port
 from common.settings import CoordinatorSettings
 from common.sockets import connect_dealer
-from services.coordinator.jobs import JobRun
+from services.coordinator.link_survey import measure_links
 from services.coordinator.service import Coordinator
 from services.worker.bandwidth import BandwidthSink, probe_link
 from tests.cluster import LocalCluster
@@ -139,8 +138,7 @@ def test_real_workers_measure_despite_garbage_and_unmeasurable_pairs_fall_back(
         beat = Heartbeat(device=DeviceId("ghost"), data_addr=ABSENT, link_addr=ABSENT)
         ghost.send_multipart(encode(beat, "ghost"))
         _pump_until(coord, lambda: "ghost" in coord.members, "the ghost")
-        job = JobSpec.model_validate({"job_id": "lk", "model": {"name": "small_cnn"}})
-        rates = JobRun(coord, job)._measure_links(dict(coord.members))
+        rates = measure_links(coord, dict(coord.members))
         matrix = store.get_json("links")
         assert set(rates) == {"a|b"} and rates["a|b"] > 0
         assert matrix["links"] == rates and set(matrix["errors"]) == {"a|ghost", "b|ghost"}

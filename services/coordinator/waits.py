@@ -1,0 +1,288 @@
+"""The coordinator's waits outside a job's core: for devices, a service, a reply, one step.
+
+Each wait keeps the coordinator serving its socket (`pump`) while it waits, so
+heartbeats, people's requests and a cancel are still taken; a cancel of the
+running job ends the wait with JobCancelled. A step's wait judges silent and
+hung devices by `core.apply`'s rules, exactly as a job's steps do (`driver`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from common.errors import ConfigError, PlanError
+from common.ids import DeviceId
+from common.logging import get_logger
+from common.messages import Message, PlanReply, PlanRequest, Probe, ProbeReply, ReplicaSaved
+from common.plan import Plan
+from common.profile import ClusterSpec
+from common.records.documents import put_plan
+from common.settings import CoordinatorSettings
+from common.store import Store
+from services.coordinator.clients import Clients, Slot
+from services.coordinator.control import ControlSocket
+from services.coordinator.core import (
+    Beats,
+    Complete,
+    Event,
+    Fail,
+    Heard,
+    Log,
+    Lost,
+    ProbeAnswer,
+    Reply,
+    SendProbe,
+    Tick,
+    apply,
+    begin,
+)
+from services.coordinator.membership import Members, heard
+from services.coordinator.outcomes import DeviceLost, JobCancelled, JobFailed
+from services.coordinator.registry import Registry
+from services.coordinator.writes import Writes
+
+__all__ = ["PLANNER", "REPLICA_NEWS_MAX", "Waits"]
+
+log = get_logger(__name__)
+PLANNER = "planner"
+REPLICA_NEWS_MAX = 1_000
+"""Replica reports kept for the running job between two rounds."""
+
+
+class Waits:
+    """What the coordinator waits for, and the inbox of replies those waits read."""
+
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        store: Store,
+        control: ControlSocket,
+        registry: Registry,
+        writes: Writes,
+        clients: Clients,
+        slot: Slot,
+        pump: Callable[[float], None],
+    ) -> None:
+        self.settings, self.store, self.control, self.registry = settings, store, control, registry
+        self.writes, self.clients, self.slot, self.pump = writes, clients, slot, pump
+        self.inbox: deque[tuple[DeviceId, Message]] = deque()
+        """Replies no request handler took, in arrival order, for the wait or job reading them."""
+        self.replica_news: deque[ReplicaSaved] = deque(maxlen=REPLICA_NEWS_MAX)
+        """Replicas reported complete since the running job last looked (bounded: a
+        flood pushes out the oldest, and the job only trusts ones its plan names)."""
+        self.collecting = False
+        """A wait or a running job reads the inbox: probe answers go there too."""
+        self._next_nonce = 1
+        """The nonce of the next probe; never reused while this coordinator lives."""
+
+    def check_cancelled(self, jid: str) -> None:
+        """Raise JobCancelled if someone cancelled job `jid`."""
+        reason = self.clients.cancelled.pop(jid, None)
+        if reason is not None:
+            raise JobCancelled(reason)
+
+    def wait_for_devices(self, devices: list[DeviceId], timeout_s: float) -> None:
+        """Block until every device in `devices` has sent a heartbeat.
+
+        `devices` are the running job's: from now on they are exempt from
+        expiry and from the cap on unassigned devices.
+        """
+        self.slot.assigned = frozenset(devices)
+        deadline = time.monotonic() + timeout_s
+        while missing := [d for d in devices if d not in self.registry.members]:
+            if time.monotonic() > deadline:
+                raise JobFailed(
+                    f"workers {missing} did not join within {timeout_s:g} s "
+                    f"(joined: {sorted(self.registry.members)})"
+                )
+            self.pump(0.1)
+
+    def alive(self) -> Members:
+        """Workers whose heartbeats are current."""
+        return self.registry.alive(time.monotonic())
+
+    def wait_for_count(self, count: int, timeout_s: float) -> None:
+        """Block until at least `count` workers are alive."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.alive()) < count:
+            if time.monotonic() > deadline:
+                raise JobFailed(
+                    f"min_workers: {count} workers wanted, {len(self.alive())} joined within "
+                    f"{timeout_s:g} s ({sorted(self.alive())})"
+                )
+            if self.slot.running:
+                self.check_cancelled(self.slot.running)
+            self.pump(0.1)
+
+    def cluster_base(self) -> ClusterSpec | None:
+        """The cluster spec file given with --cluster-spec, if any."""
+        path: Path | None = self.settings.cluster_spec
+        if path is None:
+            return None
+        try:
+            return ClusterSpec.model_validate(yaml.safe_load(path.read_text()))
+        except (OSError, yaml.YAMLError, ValidationError) as exc:
+            raise ConfigError(f"cluster spec {path} is invalid: {exc}") from exc
+
+    def profilers(self, timeout_s: float) -> list[str]:
+        """Profiler services heard from recently, waiting up to `timeout_s` for one."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            fresh = (
+                time.monotonic() - 10 * self.settings.heartbeat_s * self.settings.heartbeat_misses
+            )
+            found = sorted(
+                n
+                for n, t in self.registry.services.items()
+                if n.startswith("profiler") and t > fresh
+            )
+            if found or time.monotonic() > deadline:
+                return found
+            self.pump(0.1)
+
+    def request(
+        self,
+        service: str,
+        msg: Message,
+        match: Callable[[Message], bool],
+        timeout_s: float,
+        what: str,
+    ) -> Any:
+        """Send `msg` to a service and wait for the first reply `match` accepts."""
+        self.control.send(DeviceId(service), msg)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for _ in range(len(self.inbox)):
+                peer, got = self.inbox.popleft()
+                if peer == service and match(got):
+                    return got
+                self.inbox.append((peer, got))
+            if self.slot.running:
+                self.check_cancelled(self.slot.running)
+            if time.monotonic() > deadline:
+                raise JobFailed(f"{service} did not send the {what} within {timeout_s:g} s")
+            self.pump(0.1)
+
+    def events(self, poll_s: float = 0.05) -> Iterator[Event]:
+        """What happened since the last look, as events for a wait's or a job's core.
+
+        Pumps the socket once, then yields the membership, each replica report
+        and inbox message (probe answers among them), and a tick. Messages are
+        taken from the inbox one at a time: what a caller leaves after a verdict
+        stays there, in order, for the next step. Callers set `collecting` while
+        they read events, so that probe answers come this way too.
+        """
+        self.pump(poll_s)
+        yield Beats(self.registry.members)
+        while self.replica_news:
+            news = self.replica_news.popleft()
+            yield Reply(news.device, news)
+        for _ in range(len(self.inbox)):
+            peer, msg = self.inbox.popleft()
+            yield ProbeAnswer(peer, msg.nonce) if isinstance(msg, ProbeReply) else Reply(peer, msg)
+        yield Tick()
+
+    def carry_out(self, cmd: SendProbe | Heard | Log) -> None:
+        """Do what a wait's core asked: probe a suspect, count an answer as heard, log."""
+        if isinstance(cmd, SendProbe):
+            log.warning(
+                "probing suspect",
+                device=cmd.device,
+                silent_s=round(cmd.silent_s, 2),
+                nonce=cmd.nonce,
+            )
+            self.control.send(cmd.device, Probe(nonce=cmd.nonce))
+        elif isinstance(cmd, Heard):
+            self.registry.members = heard(self.registry.members, cmd.device, cmd.at)
+        else:
+            getattr(log, cmd.level)(cmd.event, **cmd.fields)
+
+    def gather(
+        self,
+        kind: type[Message],
+        devices: list[DeviceId],
+        epoch: int,
+        round_no: int,
+        timeout_s: float,
+        watchdog_s: float | None = None,
+    ) -> dict[DeviceId, Any]:
+        """Wait for one `kind` reply of (epoch, round) from each of `devices`, outside a job.
+
+        The rules are `core.apply`'s, fed by `events`, exactly as a job's
+        steps are (`driver`): a device whose heartbeats are overdue is probed;
+        one that leaves the probe unanswered is lost; with `watchdog_s`, one
+        that heartbeats without progress for that long is lost as hung.
+
+        Raises:
+            DeviceLost: Devices of `devices` are dead or hung.
+            JobFailed: A device reported an error, or the replies took over `timeout_s`.
+
+        """
+        s = self.settings
+        wait = begin(
+            kind,
+            devices,
+            epoch,
+            round_no,
+            time.monotonic(),
+            timeout_s,
+            s.heartbeat_s * s.heartbeat_misses,
+            s.probe_timeout_s,
+            watchdog_s,
+            self.registry.members,
+            self.registry.probes,
+            self._next_nonce,
+        )
+        self.collecting = True
+        try:
+            while not wait.done:
+                for event in self.events():
+                    wait, commands = apply(wait, event, time.monotonic())
+                    self.registry.probes, self._next_nonce = wait.probes, wait.next_nonce
+                    for cmd in commands:
+                        if isinstance(cmd, Lost):
+                            raise DeviceLost(cmd.devices, cmd.reason)
+                        if isinstance(cmd, Fail):
+                            raise JobFailed(cmd.reason)
+                        if isinstance(cmd, Complete):
+                            return dict(cmd.replies)
+                        self.carry_out(cmd)
+            return {}
+        finally:
+            self.collecting = False
+
+    def request_plan(self, req: PlanRequest, timeout_s: float) -> Plan:
+        """Ask the planner service for a plan for job `req.job_id`, and record it."""
+        plan = self.request_scored_plan(req, timeout_s)[0]
+        self.writes.durable("storing the plan", lambda: put_plan(self.store, req.job_id, plan))
+        return plan
+
+    def request_scored_plan(self, req: PlanRequest, timeout_s: float) -> tuple[Plan, float]:
+        """`request_plan`, and the planner's prediction of `req.current` (0: none)."""
+        deadline = time.monotonic() + timeout_s
+        while PLANNER not in self.registry.services:
+            if time.monotonic() > deadline:
+                raise JobFailed(
+                    f"no planner service joined within {timeout_s:g} s (start asteroid-planner "
+                    f"with --coordinator {self.control.endpoint})"
+                )
+            if self.slot.running:
+                self.check_cancelled(self.slot.running)
+            self.pump(0.1)
+        reply: PlanReply = self.request(
+            PLANNER,
+            req,
+            lambda m: isinstance(m, PlanReply) and m.job_id == req.job_id,
+            max(0.0, deadline - time.monotonic()),
+            what="plan",
+        )
+        if not reply.ok or reply.plan is None:
+            raise PlanError(f"planner {req.planner!r} failed: {reply.error or 'no plan sent'}")
+        return reply.plan, reply.current_round_s

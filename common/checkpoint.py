@@ -36,6 +36,7 @@ from torch import nn
 from common.errors import CheckpointError, StoreError
 from common.job import check_job_id
 from common.logging import get_logger
+from common.replica_digests import check_replicas
 from common.store import Store
 
 __all__ = [
@@ -144,29 +145,6 @@ def stage_digest(module: nn.Sequential, optimizer: torch.optim.Optimizer | None)
             h.update(f"{layer}.{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def check_replicas(round_no: int, digests: Sequence[Mapping[str, str]]) -> None:
-    """Refuse checkpoint `round_no` when the replicas of a stage hold different state.
-
-    Args:
-        round_no: The checkpoint's round, for the error.
-        digests: Per stage, each device's `stage_digest`.
-
-    Raises:
-        CheckpointError: Naming the first stage whose devices disagree, and who holds what.
-
-    """
-    for p, by_device in enumerate(digests):
-        if len(set(by_device.values())) > 1:
-            groups: dict[str, list[str]] = {}
-            for device, digest in sorted(by_device.items()):
-                groups.setdefault(digest, []).append(device)
-            held = "; ".join(f"{', '.join(ds)} hold {d[:12]}" for d, ds in groups.items())
-            raise CheckpointError(
-                f"checkpoint round {round_no}: the replicas of stage {p} diverged, "
-                f"expected one state, got {len(groups)} ({held})"
-            )
 
 
 def _blob(store: Store, job: str, round_no: int, layer: int, expected: str | None = None) -> bytes:

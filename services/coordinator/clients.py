@@ -28,8 +28,8 @@ from common.settings import CoordinatorSettings
 from common.store import OUTAGE, REFUSED, Store
 from services.coordinator import job_records
 from services.coordinator.checks import CheckedJob, check_job
+from services.coordinator.infer_requests import PendingRequest, infer_queue
 from services.coordinator.model_probe import probe_limits
-from services.coordinator.serving import PendingRequest, infer_queue
 from services.coordinator.writes import Writes
 
 __all__ = ["ClientRequest", "Clients", "Slot"]

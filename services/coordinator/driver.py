@@ -23,7 +23,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from common.async_versions import changes_per_window
-from common.checkpoint import check_replicas
 from common.errors import CheckpointError
 from common.ids import DeviceId
 from common.job import JobSpec
@@ -43,6 +42,7 @@ from common.messages import (
     SaveCheckpoint,
 )
 from common.plan import Plan
+from common.replica_digests import check_replicas
 from services.coordinator import adapt, core, link_drift, recovering
 from services.coordinator.adapt import Speeds
 from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick

@@ -13,7 +13,6 @@ end) or when a device fails; training jobs queued meanwhile wait for it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -39,7 +38,6 @@ from common.serving_messages import (
     ShardLoaded,
     TransformerShape,
 )
-from services.coordinator.fair_queue import FairQueue
 from services.coordinator.galaxy.planner import (
     plan_galaxy,
     plan_local,
@@ -48,6 +46,7 @@ from services.coordinator.galaxy.planner import (
     require_capacity,
 )
 from services.coordinator.host import Host
+from services.coordinator.infer_requests import PendingRequest
 from services.coordinator.jobs import JobCancelled, JobFailed
 from services.lib.galaxy.sources import from_checkpoint
 
@@ -61,33 +60,6 @@ LOAD_TIMEOUT_S = 300.0
 """How long profiling, or loading a shard, may take on every device."""
 REQUEST_TIMEOUT_S = 600.0
 """Longest one request may run on the devices."""
-MAX_QUEUED = 64
-"""Requests that may wait while one runs; beyond, a request is refused at once."""
-MAX_QUEUED_PER_OWNER = 16
-"""Of those, what one requester (a key; a claimed name without keys) may hold."""
-
-
-@dataclass(frozen=True)
-class PendingRequest:
-    """A request waiting for its turn: who asked, what, and since when."""
-
-    peer: DeviceId
-    msg: InferRequest
-    arrived: float
-
-    @property
-    def owner(self) -> str:
-        """Who the request counts against: the key's name, whatever session it came on."""
-        return self.peer.partition("/")[0]
-
-    def expired(self, now: float) -> bool:
-        """Whether the requester has stopped waiting for it (its `wait_s` has passed)."""
-        return now - self.arrived > self.msg.wait_s
-
-
-def infer_queue() -> FairQueue[PendingRequest]:
-    """The queue of a coordinator's inference requests: fair between requesters."""
-    return FairQueue(per_owner=MAX_QUEUED_PER_OWNER, total=MAX_QUEUED)
 
 
 def refusal(config: TransformerConfig, msg: InferRequest) -> str | None:

@@ -22,12 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from common.async_versions import changes_per_window
 from common.errors import CheckpointError
 from common.ids import DeviceId
 from common.job import JobSpec
-from common.job_data import eval_size, sample_indices
-from common.ledger import round_entry
+from common.job_data import eval_size
 from common.messages import (
     Assign,
     Assigned,
@@ -43,7 +41,7 @@ from common.messages import (
 )
 from common.plan import Plan
 from common.replica_digests import check_replicas
-from services.coordinator import adapt, core, link_drift, recovering
+from services.coordinator import adapt, commits, core, link_drift, recovering, remeasure
 from services.coordinator.adapt import Speeds
 from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick
 from services.coordinator.job_state import (
@@ -257,7 +255,7 @@ def _completed(run: Run, replies: Mapping[DeviceId, Message], now: float) -> Out
     if run.phase == "collect":
         rec = known(run.recovery, "the recovery")
         at = known(rec.version, "the recovery's version")
-        commit = CommitCheckpoint(at, run.layers, None, _weight_version(run, at))
+        commit = CommitCheckpoint(at, run.layers, None, commits.weight_version(run, at))
         run, more = recovering.resume(replace(run, wait=None), now)
         return run, [commit, *more]
     return _checkpoint_done(run, saved, now)
@@ -379,55 +377,13 @@ def _next_round(run: Run, now: float) -> Out:
 def _planned_again(run: Run, answer: PlanReady | PlanFailed, now: float) -> Out:
     """Planned again on measurements: move to the planner's plan if worth it, else keep going.
 
-    Either way the job settles: after links were measured the watch cools down
-    (`link_drift.remeasured`), after speeds drifted today's speeds become the
-    baseline (`adapt.settled`), so devices or links that stay as they are never
-    make the job plan over and over. A kept plan is stored again (the planner
-    stored its own under the job's key) and the job goes on at the same round
-    boundary: nothing ran meanwhile, nothing is replayed. Only a plan on the
-    same devices is moved to: leaving a device out is a drain's business, and
-    one the planner could not reach is a loss's.
+    Whether it is worth it, and how the job settles either way, is
+    `remeasure.judge`'s; a kept plan is stored again and the job goes on at
+    the same round boundary: nothing ran meanwhile, nothing is replayed.
     """
-    rec = known(run.recovery, "the measured re-plan")
-    links = rec.kind == "links"
-    if links:
-        run = replace(run, watch=link_drift.remeasured())
-    else:
-        run = replace(run, speeds=adapt.settled(run.speeds))
-    proposed = answer.plan if isinstance(answer, PlanReady) else None
-    if proposed is not None and set(proposed.devices) != set(run.plan.devices):
-        answer = PlanFailed(f"the plan on the measurements runs on {sorted(proposed.devices)}")
-        proposed = None
-    current_s = answer.current_s if isinstance(answer, PlanReady) else None
-    proposed_s = proposed.predicted_round_s if proposed is not None else None
-    remaining = run.total - run.committed
-    worth = (
-        proposed is not None
-        and current_s is not None
-        and proposed_s is not None
-        and link_drift.replan_worth_it(current_s, proposed_s, remaining, run.replan_s)
-    )
-    record = {
-        "event": "links_remeasured" if links else "speeds_replanned",
-        "round": run.committed,
-        "reason": rec.reason,
-        "current_s": current_s,
-        "proposed_s": proposed_s,
-        "replanned": worth,
-        **({"error": answer.error} if isinstance(answer, PlanFailed) else {}),
-    }
-    cmds: list[Command] = [
-        Append("recording the measured re-plan", "events", record),
-        Log(
-            "info" if proposed is not None else "warning",
-            "links measured again" if links else "planned again on measured speeds",
-            {k: v for k, v in record.items() if k != "event"},
-        ),
-    ]
-    if worth and proposed is not None:
-        on = "the measured links" if links else "the measured speeds"
-        why = f"{rec.reason}; on {on} {current_s:.3f} s -> {proposed_s:.3f} s"
-        run, more = recovering.replanned(run, proposed, why, now)
+    run, cmds, move = remeasure.judge(run, answer)
+    if move is not None:
+        run, more = recovering.replanned(run, *move, now)
         return run, [*cmds, *more]
     kept = replace(run, phase="recovering", recovery=None)
     run, more = _next_round(kept, now)
@@ -436,71 +392,9 @@ def _planned_again(run: Run, answer: PlanReady | PlanFailed, now: float) -> Out:
 
 def _round_done(run: Run, done: Mapping[DeviceId, RoundDone], now: float) -> Out:
     """Commit the round: its loss, metrics and sample ledger, durably; then what is due."""
-    r, plan, job = run.step, run.plan, run.job
-    elapsed = max(now - run.step_t0, 1e-9)
-    last = [a.device for a in plan.stages[-1].devices]
-    loss = sum(done[d].loss_sum for d in last)
-    acc = sum(done[d].correct for d in last) / plan.global_batch
-    rate = plan.global_batch / elapsed
-    lo, hi = r * plan.global_batch, (r + 1) * plan.global_batch
-    samples = sample_indices(job.seed, run.train_size, lo, hi - lo)
-    publish = Publish(
-        f"committing round {r}",
-        {"round": r + 1, "epoch": run.epoch, "loss": loss, "samples_per_s": rate},
-        {
-            "round": r,
-            "epoch": run.epoch,
-            "loss": loss,
-            "accuracy": acc,
-            "round_s": elapsed,
-            "samples_per_s": rate,
-            "devices": {
-                d: {
-                    "stage": m.stage,
-                    "max_alive": m.max_alive,
-                    "peak_bytes": m.peak_bytes,
-                    "peak_saved_bytes": m.peak_saved_bytes,
-                    **m.timings.model_dump(),
-                }
-                for d, m in done.items()
-            },
-        },
-        round_entry(r, run.epoch, lo, hi, samples),
-    )
-    s = run.summary
-    summary = replace(
-        s,
-        losses=(*s.losses, loss),
-        accuracies=(*s.accuracies, acc),
-        round_s=(*s.round_s, elapsed),
-        max_alive={
-            **s.max_alive,
-            **{d: max(s.max_alive.get(d, 0), m.max_alive) for d, m in done.items()},
-        },
-        peak_bytes={
-            **s.peak_bytes,
-            **{d: max(s.peak_bytes.get(d, 0), m.peak_bytes) for d, m in done.items()},
-        },
-    )
-    if run.costs is not None:
-        run = replace(run, speeds=adapt.measure(run.speeds, plan, run.costs, done))
-    if run.job.adapt and run.speeds.base is not None:  # compute has a baseline to drift from
-        compute_s = (plan.predicted_round_s or 0.0) - plan.predicted_comm_s
-        watch = link_drift.observe(run.watch, plan.predicted_comm_s, done, run.speeds, compute_s)
-        run = replace(run, watch=watch)
-    run = replace(run, committed=r + 1, summary=summary, wait=None)
-    log = Log(
-        "info",
-        "round committed",
-        {
-            "round": r,
-            "loss": round(loss, 5),
-            "accuracy": round(acc, 3),
-            "round_s": round(elapsed, 3),
-        },
-    )
+    run, cmds = commits.round_committed(run, done, now)
     run, more = _after_round(run, now)
-    return run, [publish, log, *more]
+    return run, [*cmds, *more]
 
 
 def _due(every: int, done: int, total: int) -> bool:
@@ -532,27 +426,12 @@ def _eval(run: Run, round_no: int, now: float) -> Out:
 
 def _eval_done(run: Run, done: Mapping[DeviceId, EvalDone], now: float) -> Out:
     round_no = run.step
-    last = [a.device for a in run.plan.stages[-1].devices]
-    samples = sum(done[d].samples for d in last)
-    loss = sum(done[d].loss_sum for d in last) / max(1, samples)
-    acc = sum(done[d].correct for d in last) / max(1, samples)
-    summary = replace(run.summary, evals=(*run.summary.evals, (round_no, loss, acc)))
-    publish = Publish(
-        f"recording the evaluation of round {round_no}",
-        {"eval_loss": loss, "eval_accuracy": acc},
-        {"round": round_no - 1, "eval_loss": loss, "eval_accuracy": acc, "eval_samples": samples},
-    )
-    log = Log(
-        "info",
-        "evaluated",
-        {"round": round_no, "eval_loss": round(loss, 4), "eval_accuracy": round(acc, 3)},
-    )
-    run = replace(run, summary=summary, wait=None)
+    run, cmds = commits.evaluated(run, done)
     if round_no == 0 and run.committed == 0:  # the baseline: training starts now
         run, more = _next_round(run, now)
     else:
         run, more = _after_eval(run, now)
-    return run, [publish, log, *more]
+    return run, [*cmds, *more]
 
 
 def _checkpoint(run: Run, round_no: int, now: float) -> Out:
@@ -578,13 +457,6 @@ def _checkpoint_done(run: Run, saved: Mapping[DeviceId, CheckpointSaved], now: f
     summary = replace(run.summary, checkpoints=(*run.summary.checkpoints, round_no))
     run, more = _next_round(replace(run, summary=summary, wait=None), now)
     return run, [
-        CommitCheckpoint(round_no, run.layers, digests, _weight_version(run, round_no)),
+        CommitCheckpoint(round_no, run.layers, digests, commits.weight_version(run, round_no)),
         *more,
     ]
-
-
-def _weight_version(run: Run, round_no: int) -> int:
-    """Weight changes after `round_no` rounds: one per round, or per window's mini-batches."""
-    if run.job.mode == "sync":
-        return round_no
-    return round_no * changes_per_window(run.plan.microbatches, run.job.aggregate_every)

@@ -1,0 +1,255 @@
+"""A serving job's core state, the events it takes and the commands it gives (`serve_core`).
+
+Plain frozen data, as `job_state` is for training: `serve_core.apply` returns a
+new `Serve` and a list of commands for every event; the shell
+(`serving.ServeRun`) carries the commands out and answers some of them with
+events. The requests themselves wait in the coordinator's fair queue, which
+people's requests fill; the core sees it as a snapshot (`Waiting`), decides
+what has waited too long and what cannot be answered, and asks for the next
+one in fair order (`TakeRequest`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from common.galaxy.config import TransformerConfig
+from common.galaxy.plan import InferencePlan
+from common.ids import DeviceId
+from common.serving_messages import InferReply, InferRequest, ServeSpec, TransformerShape
+from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick, Wait
+from services.coordinator.job_state import Cancelled, Record, Send, SetAssigned
+from services.coordinator.membership import Members, Probes
+
+__all__ = [
+    "ENDED",
+    "JOIN_TIMEOUT_S",
+    "LOAD_TIMEOUT_S",
+    "REQUEST_TIMEOUT_S",
+    "Answer",
+    "AppendMetrics",
+    "Broke",
+    "Command",
+    "Drop",
+    "Event",
+    "InFlight",
+    "Limits",
+    "Out",
+    "PendingRequest",
+    "Phase",
+    "ReadShape",
+    "Serve",
+    "ShapeRead",
+    "TakeRequest",
+    "Taken",
+    "Waiting",
+    "profile_sizes",
+    "refusal",
+]
+
+JOIN_TIMEOUT_S = 60.0
+"""How long the devices of a serving job get to be heard from."""
+LOAD_TIMEOUT_S = 300.0
+"""How long profiling, or loading a shard, may take on every device."""
+REQUEST_TIMEOUT_S = 600.0
+"""Longest one request may run on the devices."""
+
+Phase = Literal["joining", "reading", "profiling", "loading", "serving", "cancelled", "failed"]
+"""Where the job is. Planning has no phase: the planners are pure, so a plan is made
+in the step that takes the last profile, before the shards are sent."""
+ENDED = ("cancelled", "failed")
+
+
+@dataclass(frozen=True)
+class PendingRequest:
+    """A request waiting for its turn: who asked, what, and since when."""
+
+    peer: DeviceId
+    msg: InferRequest
+    arrived: float
+
+    @property
+    def owner(self) -> str:
+        """Who the request counts against: the key's name, whatever session it came on."""
+        return self.peer.partition("/")[0]
+
+    def expired(self, now: float) -> bool:
+        """Whether the requester has stopped waiting for it (its `wait_s` has passed)."""
+        return now - self.arrived > self.msg.wait_s
+
+
+def refusal(config: TransformerConfig, msg: InferRequest) -> str | None:
+    """Why the served model cannot answer `msg` (it is refused, the job goes on), or None."""
+    if msg.new_tokens and config.kind != "decoder":
+        return "only a decoder generates tokens; this model is an encoder"
+    bad = [t for t in msg.ids if not 0 <= t < config.vocab_size]
+    if bad:
+        return f"token ids must be in [0, {config.vocab_size}), got {bad[:5]}"
+    if len(msg.ids) + msg.new_tokens > config.max_positions:
+        return (
+            f"{len(msg.ids)} tokens plus {msg.new_tokens} to generate exceed the model's "
+            f"{config.max_positions} positions"
+        )
+    return None
+
+
+def profile_sizes(total: int, points: int = 4) -> list[int]:
+    """Partition sizes to time a block at: `points` sizes spread over 1..total."""
+    sizes = {max(1, round(total * (i + 1) / points)) for i in range(points)}
+    return sorted(sizes)
+
+
+# --- state --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds the job's waits: the coordinator's liveness settings and the steps' own."""
+
+    heartbeat_deadline_s: float
+    """Silence longer than this (heartbeat interval times misses) makes a suspect."""
+    probe_timeout_s: float
+    join_timeout_s: float = JOIN_TIMEOUT_S
+    load_timeout_s: float = LOAD_TIMEOUT_S
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """The request running on the devices: which, its number, when it was sent."""
+
+    req: PendingRequest
+    number: int
+    started: float
+
+
+@dataclass(frozen=True)
+class Serve:
+    """A serving job: its devices, the step under way, the request running, what waits."""
+
+    spec: ServeSpec
+    limits: Limits
+    epoch: int
+    """Tells this job's replies from any earlier job's."""
+    devices: tuple[DeviceId, ...]
+    """The devices asked to join (the plan may use fewer: `local` uses one)."""
+    started: float
+    """When the job began: the join deadline counts from here."""
+    phase: Phase = "joining"
+    shape: TransformerShape | None = None
+    config: TransformerConfig | None = None
+    plan: InferencePlan | None = None
+    wait: Wait | None = None
+    """The wait for the current step's replies (profiles, shards, a request's answer)."""
+    members: Members = field(default_factory=dict)
+    probes: Probes = field(default_factory=dict)
+    next_nonce: int = 1
+    running: InFlight | None = None
+    waiting: tuple[PendingRequest, ...] = ()
+    """The queue as last seen, less what the core took or refused since."""
+    taking: bool = False
+    """A TakeRequest is out and not answered yet."""
+    requests: int = 0
+    """Requests sent to the devices so far (each one's number)."""
+    cancel: str | None = None
+    """A cancel that arrived while a request ran: the job ends once it is answered."""
+    outcome: str = ""
+    """Why the job ended."""
+
+    @property
+    def ended(self) -> bool:
+        """Cancelled or failed: only the requests still queued are answered now."""
+        return self.phase in ENDED
+
+
+# --- events -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """The requests in the coordinator's queue now, in the queue's order."""
+
+    requests: tuple[PendingRequest, ...]
+
+
+@dataclass(frozen=True)
+class Taken:
+    """The request the fair queue gave for TakeRequest (None: it was empty)."""
+
+    request: PendingRequest | None
+
+
+@dataclass(frozen=True)
+class ShapeRead:
+    """The served shape, read from the checkpoint of round `round`."""
+
+    shape: TransformerShape
+    round: int
+
+
+@dataclass(frozen=True)
+class Broke:
+    """The shell could not carry out a command (Redis, a checkpoint): the job fails."""
+
+    error: str
+
+
+Event = Reply | Beats | ProbeAnswer | Tick | Cancelled | Waiting | Taken | ShapeRead | Broke
+
+
+# --- commands -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadShape:
+    """Read the served shape from training job `job`'s checkpoint; answered with ShapeRead."""
+
+    job: str
+    round: int | None
+
+
+@dataclass(frozen=True)
+class TakeRequest:
+    """Take the next request from the queue, in fair order; answered with Taken."""
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Remove these requests from the queue: they are answered without being run."""
+
+    requests: tuple[PendingRequest, ...]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Send `reply` to the requester `peer`."""
+
+    peer: DeviceId
+    reply: InferReply
+
+
+@dataclass(frozen=True)
+class AppendMetrics:
+    """Append `entry` to the job's metrics stream, now or once Redis is back."""
+
+    what: str
+    entry: Mapping[str, Any]
+
+
+Command = (
+    Send
+    | Record
+    | SetAssigned
+    | ReadShape
+    | TakeRequest
+    | Drop
+    | Answer
+    | AppendMetrics
+    | SendProbe
+    | Heard
+    | Log
+)
+
+Out = tuple[Serve, list[Command]]

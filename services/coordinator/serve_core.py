@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Literal
 
 from pydantic import ValidationError
 
@@ -33,11 +32,8 @@ from common.ids import DeviceId
 from common.messages import Message
 from common.serving_messages import (
     BlocksProfiled,
-    InferenceDone,
-    InferReply,
     LoadShard,
     ProfileBlocks,
-    RunInference,
     ServeSpec,
     ShardLoaded,
     TransformerShape,
@@ -53,25 +49,28 @@ from services.coordinator.galaxy.planner import (
 )
 from services.coordinator.job_state import Cancelled, Record, Send, SetAssigned
 from services.coordinator.membership import Members, heard
+from services.coordinator.serve_requests import (
+    answered,
+    fail,
+    next_request,
+    on_cancel,
+    on_taken,
+    on_waiting,
+    step_failed,
+)
 from services.coordinator.serve_state import (
-    Answer,
-    AppendMetrics,
     Broke,
     Command,
-    Drop,
     Event,
-    InFlight,
     Limits,
     Out,
-    PendingRequest,
     ReadShape,
     Serve,
     ShapeRead,
     Taken,
-    TakeRequest,
     Waiting,
+    begin_step,
     profile_sizes,
-    refusal,
 )
 
 __all__ = ["apply", "start"]
@@ -89,22 +88,22 @@ def start(
     devices = tuple(spec.devices) if spec.devices else tuple(sorted(alive))
     serve = Serve(spec, limits, epoch, devices, started=now, members=dict(members))
     if not devices:
-        return _fail(serve, "no worker is connected to serve on")
+        return fail(serve, "no worker is connected to serve on")
     return _joined_yet(serve, now, [SetAssigned(frozenset(devices))])
 
 
 def apply(serve: Serve, event: Event, now: float) -> Out:
     """The job after `event` at time `now`, and what the shell must do about it."""
     if isinstance(event, Waiting):
-        return _on_waiting(serve, event.requests, now)
+        return on_waiting(serve, event.requests, now)
     if isinstance(event, Taken):
-        return _on_taken(serve, event.request, now)
+        return on_taken(serve, event.request, now)
     if serve.ended:
         return serve, []
     if isinstance(event, Cancelled):
-        return _on_cancel(serve, event.reason)
+        return on_cancel(serve, event.reason)
     if isinstance(event, Broke):
-        return _fail(serve, event.error)
+        return fail(serve, event.error)
     if isinstance(event, ShapeRead):
         if serve.phase != "reading":
             return serve, []
@@ -137,7 +136,7 @@ def _joined_yet(serve: Serve, now: float, out: list[Command]) -> Out:
     if now > serve.started + timeout:
         joined = sorted(serve.members)
         why = f"workers {missing} did not join within {timeout:g} s (joined: {joined})"
-        return _fail(serve, why, out)
+        return fail(serve, why, out)
     return serve, out
 
 
@@ -147,7 +146,7 @@ def _read_shape(serve: Serve, now: float, out: list[Command]) -> Out:
     if spec.model is not None:
         return _prepare(serve, spec.model, now, out)
     if spec.job is None:  # the spec's validator makes this unreachable
-        return _fail(serve, f"serving job {spec.serve_id} names no model and no job", out)
+        return fail(serve, f"serving job {spec.serve_id} names no model and no job", out)
     return replace(serve, phase="reading"), [*out, ReadShape(spec.job, spec.round)]
 
 
@@ -158,7 +157,7 @@ def _prepare(serve: Serve, shape: TransformerShape, now: float, out: list[Comman
         config = shape.config()
         require_capacity(config, _budgets(serve, devices), spec.seq_len)
     except (AsteroidError, ValidationError) as exc:
-        return _fail(serve, str(exc), out)
+        return fail(serve, str(exc), out)
     msg = ProfileBlocks(
         serve_id=spec.serve_id,
         epoch=serve.epoch,
@@ -169,7 +168,7 @@ def _prepare(serve: Serve, shape: TransformerShape, now: float, out: list[Comman
         rows=profile_sizes(spec.seq_len),
     )
     serve = replace(serve, phase="profiling", shape=shape, config=config)
-    serve = _begin(serve, BlocksProfiled, devices, 0, now, serve.limits.load_timeout_s)
+    serve = begin_step(serve, BlocksProfiled, devices, 0, now, serve.limits.load_timeout_s)
     return serve, [*out, Record("profiling"), *(Send(d, msg) for d in devices)]
 
 
@@ -184,21 +183,21 @@ def _profiled(serve: Serve, replies: Mapping[DeviceId, Message], now: float) -> 
     profiles: dict[str, BlockProfile] = {}
     for d, reply in replies.items():
         if not isinstance(reply, BlocksProfiled):  # the wait takes nothing else
-            return _fail(serve, f"device {d} answered profiling with {reply.type}")
+            return fail(serve, f"device {d} answered profiling with {reply.type}")
         if reply.profile.seq_len != spec.seq_len:
             why = f"device {d} profiled seq_len {reply.profile.seq_len}, asked {spec.seq_len}"
-            return _fail(serve, why)
+            return fail(serve, why)
         profiles[d] = reply.profile
     out: list[Command] = [Record("planning")]
     if config is None or serve.shape is None:
-        return _fail(serve, "serving core out of order: profiled before the shape was known", out)
+        return fail(serve, "serving core out of order: profiled before the shape was known", out)
     try:
         plan = _plan(spec, config, list(serve.devices), profiles, _budgets(serve, serve.devices))
     except (AsteroidError, ValidationError) as exc:
-        return _fail(serve, str(exc), out)
+        return fail(serve, str(exc), out)
     devices = [DeviceId(d) for d in plan.devices]
     if gone := [d for d in devices if d not in serve.members]:
-        return _fail(serve, f"workers {gone} of the plan are no longer known", out)
+        return fail(serve, f"workers {gone} of the plan are no longer known", out)
     peers = {d: serve.members[d].info.data_addr for d in devices}
     load = LoadShard(
         serve_id=spec.serve_id,
@@ -209,7 +208,7 @@ def _profiled(serve: Serve, replies: Mapping[DeviceId, Message], now: float) -> 
         peers=peers,
     )
     serve = replace(serve, phase="loading", plan=plan)
-    serve = _begin(serve, ShardLoaded, devices, 0, now, serve.limits.load_timeout_s)
+    serve = begin_step(serve, ShardLoaded, devices, 0, now, serve.limits.load_timeout_s)
     return serve, [*out, SetAssigned(frozenset(devices)), *(Send(d, load) for d in devices)]
 
 
@@ -235,7 +234,7 @@ def _loaded(serve: Serve, replies: Mapping[DeviceId, Message]) -> Out:
     """Every shard is in memory: the job runs, and the first waiting request is taken."""
     plan = serve.plan
     if plan is None:
-        return _fail(serve, "serving core out of order: loaded without a plan")
+        return fail(serve, "serving core out of order: loaded without a plan")
     weights = {d: getattr(m, "weight_bytes", 0) for d, m in replies.items()}
     out: list[Command] = [
         Log("info", "shards loaded", {"weight_bytes": weights}),
@@ -246,38 +245,11 @@ def _loaded(serve: Serve, replies: Mapping[DeviceId, Message]) -> Out:
             {"mode": plan.mode, "devices": plan.devices, "heads": plan.heads, "cols": plan.cols},
         ),
     ]
-    serve, more = _next(replace(serve, phase="serving"))
+    serve, more = next_request(replace(serve, phase="serving"))
     return serve, [*out, *more]
 
 
 # --- steps' waits -------------------------------------------------------------------
-
-
-def _begin(
-    serve: Serve,
-    kind: type[Message],
-    devices: list[DeviceId],
-    round_no: int,
-    now: float,
-    timeout_s: float,
-) -> Serve:
-    """Start waiting for one `kind` reply of (epoch, round_no) from each of `devices`."""
-    lim = serve.limits
-    wait = core.begin(
-        kind,
-        devices,
-        serve.epoch,
-        round_no,
-        now,
-        timeout_s,
-        lim.heartbeat_deadline_s,
-        lim.probe_timeout_s,
-        None,
-        serve.members,
-        serve.probes,
-        serve.next_nonce,
-    )
-    return replace(serve, wait=wait)
 
 
 def _waited(serve: Serve, wait: core.Wait, event: core.Event, now: float) -> Out:
@@ -296,7 +268,7 @@ def _waited(serve: Serve, wait: core.Wait, event: core.Event, now: float) -> Out
             serve, more = _completed(replace(serve, wait=None), cmd.replies, now)
             return serve, [*out, *more]
         if isinstance(cmd, Fail | Lost):
-            return _step_failed(replace(serve, wait=None), cmd.reason, out)
+            return step_failed(replace(serve, wait=None), cmd.reason, out)
         out.append(cmd)
     return serve, out
 
@@ -306,15 +278,7 @@ def _completed(serve: Serve, replies: Mapping[DeviceId, Message], now: float) ->
         return _profiled(serve, replies, now)
     if serve.phase == "loading":
         return _loaded(serve, replies)
-    return _answered(serve, replies, now)
-
-
-def _step_failed(serve: Serve, reason: str, out: list[Command]) -> Out:
-    """A step's replies did not come: the request running is told why, and the job fails."""
-    running = serve.running
-    if running is not None:
-        out = [*out, _refuse(serve, running.req, running.number, reason)]
-    return _fail(serve, reason, out)
+    return answered(serve, replies, now)
 
 
 def _probe_answered(serve: Serve, event: ProbeAnswer, now: float) -> Out:
@@ -329,175 +293,3 @@ def _probe_answered(serve: Serve, event: ProbeAnswer, now: float) -> Out:
         Heard(event.device, now),
         Log("info", "suspect answered the probe", {"device": event.device}),
     ]
-
-
-# --- requests -----------------------------------------------------------------------
-
-
-def _on_waiting(serve: Serve, queued: tuple[PendingRequest, ...], now: float) -> Out:
-    """Refuse what waited past its `wait_s` (or everything, once the job ended); take the next."""
-    if serve.ended:
-        return replace(serve, waiting=()), _refuse_all(serve, queued)
-    late = [r for r in queued if r.expired(now)]
-    keep = tuple(r for r in queued if not r.expired(now))
-    out: list[Command] = [Drop(tuple(late))] if late else []
-    for req in late:
-        why = (
-            f"waited {now - req.arrived:.0f} s for its turn (its wait_s); requests of "
-            f"{len(keep)} others are served in turn: the serving job "
-            f"{serve.spec.serve_id} is busy, not gone; try again later"
-        )
-        out.append(_refuse(serve, req, 0, why))
-    serve, more = _next(replace(serve, waiting=keep))
-    return serve, [*out, *more]
-
-
-def _next(serve: Serve) -> Out:
-    """Ask for the next request if the devices are idle and one waits."""
-    if (
-        serve.phase != "serving"
-        or serve.running is not None
-        or serve.taking
-        or not serve.waiting
-        or serve.cancel is not None
-    ):
-        return serve, []
-    return replace(serve, taking=True), [TakeRequest()]
-
-
-def _on_taken(serve: Serve, req: PendingRequest | None, now: float) -> Out:
-    """Run the request taken, or refuse it: too late, unanswerable, or the job ended."""
-    serve = replace(serve, taking=False, waiting=_without(serve.waiting, req))
-    if req is None:
-        return serve, []
-    if serve.ended:
-        return serve, _refuse_all(serve, (req,), drop=False)
-    if req.expired(now):
-        why = (
-            f"waited {now - req.arrived:.0f} s for its turn (its wait_s); requests of "
-            f"{len(serve.waiting)} others are served in turn: the serving job "
-            f"{serve.spec.serve_id} is busy, not gone; try again later"
-        )
-        serve, more = _next(serve)
-        return serve, [_refuse(serve, req, 0, why), *more]
-    why_not = None if serve.config is None else refusal(serve.config, req.msg)
-    if why_not is not None:
-        serve, more = _next(serve)
-        return serve, [_refuse(serve, req, 0, why_not), *more]
-    return _run(serve, req, now)
-
-
-def _run(serve: Serve, req: PendingRequest, now: float) -> Out:
-    """Send the request to every device of the plan; the first one answers it."""
-    if serve.plan is None:
-        return _fail(serve, "serving core out of order: a request before the plan")
-    n = serve.requests + 1
-    devices = [DeviceId(d) for d in serve.plan.devices]
-    msg = RunInference(
-        serve_id=serve.spec.serve_id,
-        epoch=serve.epoch,
-        round=n,
-        ids=req.msg.ids,
-        new_tokens=req.msg.new_tokens,
-    )
-    serve = replace(serve, requests=n, running=InFlight(req, n, now))
-    serve = _begin(serve, InferenceDone, devices[:1], n, now, serve.limits.request_timeout_s)
-    return serve, [Send(d, msg) for d in devices]
-
-
-def _answered(serve: Serve, replies: Mapping[DeviceId, Message], now: float) -> Out:
-    """Record the request's metrics, then answer it (whoever has an answer sees them)."""
-    running = serve.running
-    if running is None or serve.plan is None:
-        return _fail(serve, "serving core out of order: an answer without a request")
-    out = replies[DeviceId(serve.plan.devices[0])]
-    if not isinstance(out, InferenceDone):  # the wait takes nothing else
-        return _fail(serve, f"request {running.number} was answered with {out.type}")
-    req, n = running.req, running.number
-    latency = now - running.started
-    reply = InferReply(
-        serve_id=serve.spec.serve_id,
-        request=n,
-        ok=True,
-        tokens=out.tokens,
-        logits=out.logits if req.msg.logits else [],
-        latency_s=latency,
-        queued_s=running.started - req.arrived,
-    )
-    metrics = {
-        "request": n,
-        "latency_s": round(latency, 6),
-        "compute_s": round(out.compute_s, 6),
-        "queued_s": round(reply.queued_s, 6),
-        "tokens_in": len(req.msg.ids),
-        "tokens_out": len(out.tokens),
-    }
-    done = {k: v for k, v in metrics.items() if k in ("request", "tokens_in", "tokens_out")}
-    commands: list[Command] = [
-        AppendMetrics(f"metrics of request {n}", metrics),
-        Answer(req.peer, reply),
-        Log("info", "request answered", {**done, "latency_s": round(latency, 4)}),
-    ]
-    serve = replace(serve, running=None)
-    if serve.cancel is not None:
-        serve, more = _end(serve, "cancelled", serve.cancel)
-    else:
-        serve, more = _next(serve)
-    return serve, [*commands, *more]
-
-
-def _refuse(serve: Serve, req: PendingRequest, request: int, error: str) -> Answer:
-    """Answer `req` with `error` instead of an output."""
-    reply = InferReply(serve_id=serve.spec.serve_id, request=request, ok=False, error=error)
-    return Answer(req.peer, reply)
-
-
-def _without(
-    waiting: tuple[PendingRequest, ...], req: PendingRequest | None
-) -> tuple[PendingRequest, ...]:
-    return tuple(r for r in waiting if r is not req)
-
-
-# --- endings ------------------------------------------------------------------------
-
-
-def _on_cancel(serve: Serve, reason: str) -> Out:
-    """End now, or once the request running is answered (it is not cut off half-way)."""
-    if serve.running is None:
-        return _end(serve, "cancelled", reason)
-    why = {"reason": reason, "request": serve.running.number}
-    return replace(serve, cancel=reason), [Log("info", "cancel waits for the request", why)]
-
-
-def _fail(serve: Serve, reason: str, out: Sequence[Command] = ()) -> Out:
-    serve, more = _end(serve, "failed", reason)
-    return serve, [*out, *more]
-
-
-def _end(serve: Serve, phase: Literal["failed", "cancelled"], reason: str) -> Out:
-    """Record the end (a failure's error, a cancel's reason); refuse what waits."""
-    field = "error" if phase == "failed" else "reason"
-    serve = replace(
-        serve,
-        phase=phase,
-        outcome=reason,
-        wait=None,
-        running=None,
-        taking=False,
-    )
-    out: list[Command] = [Record(phase, {field: reason}), *_refuse_all(serve, serve.waiting)]
-    return replace(serve, waiting=()), out
-
-
-def _refuse_all(
-    serve: Serve, requests: Sequence[PendingRequest], drop: bool = True
-) -> list[Command]:
-    """Answer every one of `requests` with why the job ended (removing them from the queue)."""
-    if not requests:
-        return []
-    if serve.phase == "failed":
-        why = f"serving job {serve.spec.serve_id} ended: {serve.outcome}"
-    else:
-        why = f"serving job {serve.spec.serve_id} ended: cancelled ({serve.outcome})"
-    out: list[Command] = [Drop(tuple(requests))] if drop else []
-    return [*out, *(_refuse(serve, r, 0, why) for r in requests)]

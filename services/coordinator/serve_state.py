@@ -12,14 +12,17 @@ one in fair order (`TakeRequest`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from common.galaxy.config import TransformerConfig
 from common.galaxy.plan import InferencePlan
 from common.ids import DeviceId
+from common.messages import Message
 from common.serving_messages import InferReply, InferRequest, ServeSpec, TransformerShape
+from services.coordinator import core
 from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick, Wait
+from services.coordinator.infer_requests import PendingRequest
 from services.coordinator.job_state import Cancelled, Record, Send, SetAssigned
 from services.coordinator.membership import Members, Probes
 
@@ -37,7 +40,6 @@ __all__ = [
     "InFlight",
     "Limits",
     "Out",
-    "PendingRequest",
     "Phase",
     "ReadShape",
     "Serve",
@@ -45,6 +47,7 @@ __all__ = [
     "TakeRequest",
     "Taken",
     "Waiting",
+    "begin_step",
     "profile_sizes",
     "refusal",
 ]
@@ -60,24 +63,6 @@ Phase = Literal["joining", "reading", "profiling", "loading", "serving", "cancel
 """Where the job is. Planning has no phase: the planners are pure, so a plan is made
 in the step that takes the last profile, before the shards are sent."""
 ENDED = ("cancelled", "failed")
-
-
-@dataclass(frozen=True)
-class PendingRequest:
-    """A request waiting for its turn: who asked, what, and since when."""
-
-    peer: DeviceId
-    msg: InferRequest
-    arrived: float
-
-    @property
-    def owner(self) -> str:
-        """Who the request counts against: the key's name, whatever session it came on."""
-        return self.peer.partition("/")[0]
-
-    def expired(self, now: float) -> bool:
-        """Whether the requester has stopped waiting for it (its `wait_s` has passed)."""
-        return now - self.arrived > self.msg.wait_s
 
 
 def refusal(config: TransformerConfig, msg: InferRequest) -> str | None:
@@ -253,3 +238,30 @@ Command = (
 )
 
 Out = tuple[Serve, list[Command]]
+
+
+def begin_step(
+    serve: Serve,
+    kind: type[Message],
+    devices: list[DeviceId],
+    round_no: int,
+    now: float,
+    timeout_s: float,
+) -> Serve:
+    """Start waiting for one `kind` reply of (epoch, round_no) from each of `devices`."""
+    lim = serve.limits
+    wait = core.begin(
+        kind,
+        devices,
+        serve.epoch,
+        round_no,
+        now,
+        timeout_s,
+        lim.heartbeat_deadline_s,
+        lim.probe_timeout_s,
+        None,
+        serve.members,
+        serve.probes,
+        serve.next_nonce,
+    )
+    return replace(serve, wait=wait)

@@ -1,4 +1,4 @@
-"""A serving job from `ServeModel` to its cancel: profile, plan, load, then answer requests.
+"""A serving job from `ServeModel` to its cancel: the shell around `serve_core`.
 
 Galaxy's workflow (§III-A) on our services: every device times the
 Transformer blocks at a few partition sizes (its profiler phase), the planner
@@ -8,83 +8,73 @@ shard, and then requests are run one at a time, in arrival order, on all
 devices at once; the rest wait in a bounded queue. Each answer records its
 latency in the job's `metrics` stream. The job ends when cancelled (its normal
 end) or when a device fails; training jobs queued meanwhile wait for it.
+
+Every decision is `serve_core.apply`'s; `ServeRun` feeds it what the
+coordinator's socket brings (`Host.events`), the queue of requests and a
+cancel, and carries its commands out: sends, Redis writes, the queue.
 """
 
 from __future__ import annotations
 
 import time
-from functools import partial
+from collections import deque
 from typing import Any
 
 from pydantic import ValidationError
 
-from common.errors import AsteroidError, ConfigError
-from common.galaxy.config import TransformerConfig
-from common.galaxy.plan import InferencePlan
-from common.galaxy.profile import BlockProfile
-from common.ids import DeviceId
-from common.lifecycle import JobState, advance
+from common.errors import AsteroidError
+from common.lifecycle import TERMINAL, JobState, advance
 from common.logging import bind_global, get_logger
 from common.secrets import mask_text
-from common.serving_messages import (
-    BlocksProfiled,
-    InferenceDone,
-    InferReply,
-    InferRequest,
-    LoadShard,
-    ProfileBlocks,
-    RunInference,
-    ServeSpec,
-    ShardLoaded,
-    TransformerShape,
-)
-from services.coordinator.galaxy.planner import (
-    plan_galaxy,
-    plan_local,
-    plan_megatron,
-    plan_sp,
-    require_capacity,
-)
+from common.serving_messages import ServeSpec, TransformerShape
+from services.coordinator import serve_core
+from services.coordinator.core import Heard, Log, SendProbe, Tick
 from services.coordinator.host import Host
 from services.coordinator.infer_requests import PendingRequest
-from services.coordinator.jobs import JobCancelled, JobFailed
+from services.coordinator.job_state import Cancelled, Record, Send, SetAssigned
+from services.coordinator.outcomes import JobCancelled
+from services.coordinator.serve_state import (
+    JOIN_TIMEOUT_S,
+    LOAD_TIMEOUT_S,
+    REQUEST_TIMEOUT_S,
+    Answer,
+    AppendMetrics,
+    Broke,
+    Command,
+    Drop,
+    Event,
+    Limits,
+    ReadShape,
+    Serve,
+    ShapeRead,
+    Taken,
+    TakeRequest,
+    Waiting,
+    profile_sizes,
+    refusal,
+)
 from services.lib.galaxy.sources import from_checkpoint
 
-__all__ = ["PendingRequest", "ServeRun", "profile_sizes", "refusal"]
+__all__ = [
+    "JOIN_TIMEOUT_S",
+    "LOAD_TIMEOUT_S",
+    "REQUEST_TIMEOUT_S",
+    "PendingRequest",
+    "ServeRun",
+    "profile_sizes",
+    "refusal",
+]
 
 log = get_logger(__name__)
 
-JOIN_TIMEOUT_S = 60.0
-"""How long the devices of a serving job get to be heard from."""
-LOAD_TIMEOUT_S = 300.0
-"""How long profiling, or loading a shard, may take on every device."""
-REQUEST_TIMEOUT_S = 600.0
-"""Longest one request may run on the devices."""
-
-
-def refusal(config: TransformerConfig, msg: InferRequest) -> str | None:
-    """Why the served model cannot answer `msg` (it is refused, the job goes on), or None."""
-    if msg.new_tokens and config.kind != "decoder":
-        return "only a decoder generates tokens; this model is an encoder"
-    bad = [t for t in msg.ids if not 0 <= t < config.vocab_size]
-    if bad:
-        return f"token ids must be in [0, {config.vocab_size}), got {bad[:5]}"
-    if len(msg.ids) + msg.new_tokens > config.max_positions:
-        return (
-            f"{len(msg.ids)} tokens plus {msg.new_tokens} to generate exceed the model's "
-            f"{config.max_positions} positions"
-        )
-    return None
-
-
-def profile_sizes(total: int, points: int = 4) -> list[int]:
-    """Partition sizes to time a block at: `points` sizes spread over 1..total."""
-    sizes = {max(1, round(total * (i + 1) / points)) for i in range(points)}
-    return sorted(sizes)
-
 
 class ServeRun:
-    """One serving job on the coordinator's socket; `run` returns when it ends."""
+    """One serving job on the coordinator's socket, steppable from one loop.
+
+    `begin()` starts it, `feed(event)` hands it each event of `Host.events`
+    (at a `Tick` it also looks for a cancel and at the queue of requests), and
+    `ended` says when it is over; `run()` is that loop on its own.
+    """
 
     def __init__(self, coord: Host, spec: ServeSpec) -> None:
         self.coord = coord
@@ -92,212 +82,169 @@ class ServeRun:
         self.state: JobState = "submitted"
         self.epoch = int(time.time() * 1000) % (2**31)
         """Tells this job's replies and tiles from any earlier job's."""
-        self.requests = 0
+        self.core: Serve | None = None
+        self._released = True
+
+    @property
+    def ended(self) -> bool:
+        """The job was cancelled or failed (and its end recorded)."""
+        return self.core is not None and self.core.ended
+
+    @property
+    def requests(self) -> int:
+        """Requests run on the devices so far."""
+        return 0 if self.core is None else self.core.requests
 
     def run(self) -> None:
         """Serve until cancelled or a device fails; every ending is recorded in Redis."""
-        jid = self.spec.serve_id
-        self.coord.running = jid
-        bind_global(job=jid)
+        self.begin()
         try:
-            devices = self._devices()
-            self.coord.wait_for_devices(devices, JOIN_TIMEOUT_S)
-            shape = self._shape()
-            config = shape.config()
-            require_capacity(config, self._budgets(devices), self.spec.seq_len)
-            self._advance("profiling")
-            profiles = self._profile(devices, shape)
-            self._advance("planning")
-            plan = self._plan(config, devices, profiles)
-            self._load(plan, shape)
-            self._advance("running", plan=plan.model_dump(mode="json"))
-            log.info(
-                "serving", mode=plan.mode, devices=plan.devices, heads=plan.heads, cols=plan.cols
-            )
-            self._answer(plan, config)
-        except JobCancelled as exc:
-            self._advance("cancelled", reason=str(exc))
-        except (AsteroidError, ValidationError) as exc:
-            error = mask_text(str(exc))
-            log.error("serving job failed", error=error)
-            self._advance("failed", error=error)
-            self._refuse_waiting(error)
+            while not self.ended:
+                for event in self.coord.events():
+                    self.feed(event)
+                    if self.ended:
+                        break
         finally:
-            self.coord.running = None
-            self.coord.assigned = frozenset()
-            bind_global(job=None)
+            self._release()
 
-    def _advance(self, to: JobState, **extra: Any) -> None:
+    def begin(self) -> None:
+        """Take the coordinator's job slot and start the core."""
+        coord, jid = self.coord, self.spec.serve_id
+        coord.running = jid
+        coord.collecting = True  # probe answers come as events, in order with the replies
+        self._released = False
+        bind_global(job=jid)
+        s = coord.settings
+        limits = Limits(
+            heartbeat_deadline_s=s.heartbeat_s * s.heartbeat_misses,
+            probe_timeout_s=s.probe_timeout_s,
+        )
+        self.core, commands = serve_core.start(
+            self.spec, limits, self.epoch, coord.members, sorted(coord.alive()), time.monotonic()
+        )
+        self._carry_out(commands)
+
+    def feed(self, event: Event) -> None:
+        """Hand the core one event; at a `Tick`, a cancel and the queue go first."""
+        if self.core is None or self.ended:
+            return
+        if isinstance(event, Tick):
+            reason = self.coord.cancelled.pop(self.spec.serve_id, None)
+            if reason is not None:
+                self._step(Cancelled(reason))
+            self._step(Waiting(tuple(self.coord.infer_queue)))
+        self._step(event)
+
+    def _step(self, event: Event) -> None:
+        if self.core is None or self.ended:
+            return
+        self.core, commands = serve_core.apply(self.core, event, time.monotonic())
+        self._carry_out(commands)
+
+    def _carry_out(self, commands: list[Command]) -> None:
+        """Do what the core asked, in order; feed back what a command answers.
+
+        A command that fails (Redis gone for longer than an outage may last, a
+        checkpoint that cannot be read) fails the job, and what was to follow it
+        is dropped: the core decides again from the failure. A cancel that
+        arrives while a write waits out an outage is fed as a cancel.
+        """
+        todo = deque(commands)
+        while todo and self.core is not None:
+            cmd = todo.popleft()
+            try:
+                answer = self._do(cmd)
+            except JobCancelled as exc:
+                if self.ended:
+                    raise
+                todo.clear()
+                answer = Cancelled(str(exc))
+            except (AsteroidError, ValidationError) as exc:
+                if self.ended:
+                    raise
+                todo.clear()
+                answer = Broke(mask_text(str(exc)))
+            if answer is not None:
+                self.core, more = serve_core.apply(self.core, answer, time.monotonic())
+                todo.extend(more)
+        if self.ended and not self._released:
+            self._finish()
+
+    def _do(self, cmd: Command) -> Event | None:
+        """Carry out one command; the event it answers with, if any."""
+        coord, jid = self.coord, self.spec.serve_id
+        if isinstance(cmd, Send):
+            coord.send(cmd.device, cmd.msg)
+        elif isinstance(cmd, Answer):
+            reply = cmd.reply
+            if reply.error:
+                reply = reply.model_copy(update={"error": mask_text(reply.error)})
+            coord.send(cmd.peer, reply)
+        elif isinstance(cmd, SendProbe | Heard | Log):
+            coord.carry_out(cmd)
+        elif isinstance(cmd, Record):
+            self._record(cmd.state, **cmd.fields)
+        elif isinstance(cmd, SetAssigned):
+            coord.assigned = cmd.devices
+        elif isinstance(cmd, AppendMetrics):
+            entry = dict(cmd.entry)
+            coord.write_soon(cmd.what, lambda: coord.store.append("metrics", jid, entry))
+        elif isinstance(cmd, Drop):
+            gone = cmd.requests
+            coord.infer_queue.drop(lambda r: any(r is g for g in gone))
+        elif isinstance(cmd, TakeRequest):
+            return Taken(coord.infer_queue.take())
+        elif isinstance(cmd, ReadShape):
+            return self._read_shape(cmd)
+        return None
+
+    def _read_shape(self, cmd: ReadShape) -> ShapeRead:
+        """The served shape and round of a training job's checkpoint."""
+        config, _, chosen = self.coord.durable(
+            f"reading the checkpoint of {cmd.job}",
+            lambda: from_checkpoint(self.coord.store, cmd.job, cmd.round),
+        )
+        return ShapeRead(TransformerShape.of(config), chosen)
+
+    def _record(self, to: JobState, **extra: Any) -> None:
+        """Move to state `to` and write it to Redis.
+
+        A step of a live job waits for Redis (`durable`); an end state is
+        written as soon as Redis answers (`write_soon`), so an outage that ends
+        the job neither hides why nor leaves it `running`.
+        """
         self.state = advance(self.state, to)
-        self.coord.durable(
-            f"serving job {self.spec.serve_id} {to}",
-            lambda: self.coord.write_state(self.spec.serve_id, to, **extra),
-        )
+        extra = {k: mask_text(v) if isinstance(v, str) else v for k, v in extra.items()}
+        if to == "failed":
+            log.error("serving job failed", error=extra.get("error"))
+        jid = self.spec.serve_id
 
-    def _devices(self) -> list[DeviceId]:
-        if self.spec.devices:
-            return list(self.spec.devices)
-        alive = sorted(self.coord.alive())
-        if not alive:
-            raise JobFailed("no worker is connected to serve on")
-        return alive
+        def write() -> None:
+            self.coord.write_state(jid, to, **extra)
 
-    def _shape(self) -> TransformerShape:
-        """The served shape; a checkpoint's is read from it, and its round pinned."""
-        if self.spec.model is not None:
-            return self.spec.model
-        if self.spec.job is None:  # the spec's validator makes this unreachable
-            raise ConfigError(f"serving job {self.spec.serve_id} names no model and no job")
-        config, _, chosen = from_checkpoint(self.coord.store, self.spec.job, self.spec.round)
-        self.spec = self.spec.model_copy(update={"round": chosen})
-        log.info("serving a checkpoint", trained_by=self.spec.job, round=chosen)
-        return TransformerShape.of(config)
+        if to in TERMINAL:
+            self.coord.write_soon(f"serving job {jid} {to}", write)
+        else:
+            self.coord.durable(f"serving job {jid} {to}", write)
 
-    def _profile(self, devices: list[DeviceId], shape: TransformerShape) -> dict[str, BlockProfile]:
-        """Every device times the blocks at the sizes a plan may give it."""
-        msg = ProfileBlocks(
-            serve_id=self.spec.serve_id,
-            epoch=self.epoch,
-            model=shape,
-            seq_len=self.spec.seq_len,
-            heads=profile_sizes(shape.heads),
-            cols=profile_sizes(shape.ffn),
-            rows=profile_sizes(self.spec.seq_len),
-        )
-        for d in devices:
-            self.coord.send(d, msg)
-        replies = self.coord.gather(BlocksProfiled, devices, self.epoch, 0, LOAD_TIMEOUT_S)
-        profiles: dict[str, BlockProfile] = {}
-        for d, reply in replies.items():
-            if reply.profile.seq_len != self.spec.seq_len:
-                raise JobFailed(
-                    f"device {d} profiled seq_len {reply.profile.seq_len}, "
-                    f"asked {self.spec.seq_len}"
-                )
-            profiles[d] = reply.profile
-        return profiles
+    def _finish(self) -> None:
+        """The job ended: refuse what still waits in the queue, then give up the slot."""
+        self._step_ended(Waiting(tuple(self.coord.infer_queue)))
+        self._release()
 
-    def _budgets(self, devices: list[DeviceId]) -> dict[str, int]:
-        """Each device's memory for its shard: what its heartbeat says training may use."""
-        return {d: self.coord.members[d].info.memory_budget for d in devices}
+    def _step_ended(self, event: Waiting) -> None:
+        if self.core is None:
+            return
+        self.core, commands = serve_core.apply(self.core, event, time.monotonic())
+        for cmd in commands:
+            self._do(cmd)
 
-    def _plan(
-        self, config: TransformerConfig, devices: list[DeviceId], profiles: dict[str, BlockProfile]
-    ) -> InferencePlan:
-        budgets = self._budgets(devices)
-        seq = self.spec.seq_len
-        names = [str(d) for d in devices]
-        if self.spec.mode == "galaxy":
-            return plan_galaxy(config, names, profiles, budgets, seq, overlap=self.spec.overlap)
-        if self.spec.mode == "megatron":
-            return plan_megatron(config, names, seq, budgets)
-        if self.spec.mode == "sp":
-            return plan_sp(config, names, seq, budgets)
-        return plan_local(config, names, profiles, budgets, seq)
-
-    def _load(self, plan: InferencePlan, shape: TransformerShape) -> None:
-        devices = [DeviceId(d) for d in plan.devices]
-        self.coord.assigned = frozenset(devices)
-        peers = {d: self.coord.members[d].info.data_addr for d in devices}
-        for d in devices:
-            self.coord.send(
-                d,
-                LoadShard(
-                    serve_id=self.spec.serve_id,
-                    epoch=self.epoch,
-                    spec=self.spec,
-                    model=shape,
-                    plan=plan,
-                    peers=peers,
-                ),
-            )
-        loaded = self.coord.gather(ShardLoaded, devices, self.epoch, 0, LOAD_TIMEOUT_S)
-        log.info("shards loaded", weight_bytes={d: m.weight_bytes for d, m in loaded.items()})
-
-    def _answer(self, plan: InferencePlan, config: TransformerConfig) -> None:
-        """Run queued requests one at a time until the job is cancelled."""
-        waiting = self.coord.infer_queue
-        while True:
-            self.coord.pump(0.2)
-            self.coord.check_cancelled(self.spec.serve_id)
-            now = time.monotonic()
-            for late in waiting.drop(partial(PendingRequest.expired, now=now)):
-                self._refuse(
-                    late,
-                    0,
-                    f"waited {now - late.arrived:.0f} s for its turn (its wait_s); requests of "
-                    f"{len(waiting)} others are served in turn: the serving job "
-                    f"{self.spec.serve_id} is busy, not gone; try again later",
-                )
-            req = waiting.take()
-            if req is None:
-                continue
-            why = refusal(config, req.msg)
-            if why is None:
-                self._run_one(plan, req)
-            else:
-                self._refuse(req, 0, why)
-
-    def _run_one(self, plan: InferencePlan, req: PendingRequest) -> None:
-        self.requests += 1
-        n = self.requests
-        devices = [DeviceId(d) for d in plan.devices]
-        started = time.monotonic()
-        run = RunInference(
-            serve_id=self.spec.serve_id,
-            epoch=self.epoch,
-            round=n,
-            ids=req.msg.ids,
-            new_tokens=req.msg.new_tokens,
-        )
-        for d in devices:
-            self.coord.send(d, run)
-        try:
-            done = self.coord.gather(InferenceDone, devices[:1], self.epoch, n, REQUEST_TIMEOUT_S)
-        except JobFailed as exc:
-            self._refuse(req, n, str(exc))
-            raise
-        latency = time.monotonic() - started
-        out: InferenceDone = done[devices[0]]
-        reply = InferReply(
-            serve_id=self.spec.serve_id,
-            request=n,
-            ok=True,
-            tokens=out.tokens,
-            logits=out.logits if req.msg.logits else [],
-            latency_s=latency,
-            queued_s=started - req.arrived,
-        )
-        self.coord.write_soon(
-            f"metrics of request {n}",
-            lambda: self.coord.store.append(
-                "metrics",
-                self.spec.serve_id,
-                {
-                    "request": n,
-                    "latency_s": round(latency, 6),
-                    "compute_s": round(out.compute_s, 6),
-                    "queued_s": round(reply.queued_s, 6),
-                    "tokens_in": len(req.msg.ids),
-                    "tokens_out": len(out.tokens),
-                },
-            ),
-        )
-        self.coord.send(req.peer, reply)  # after its metrics: whoever has an answer sees them
-        log.info(
-            "request answered",
-            request=n,
-            latency_s=round(latency, 4),
-            tokens_in=len(req.msg.ids),
-            tokens_out=len(out.tokens),
-        )
-
-    def _refuse(self, req: PendingRequest, request: int, error: str) -> None:
-        """Answer `req` with `error` instead of an output."""
-        reply = InferReply(serve_id=self.spec.serve_id, request=request, ok=False, error=error)
-        self.coord.send(req.peer, reply)
-
-    def _refuse_waiting(self, error: str) -> None:
-        waiting = self.coord.infer_queue
-        while (req := waiting.take()) is not None:
-            self._refuse(req, 0, f"serving job {self.spec.serve_id} ended: {error}")
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        coord = self.coord
+        coord.running = None
+        coord.assigned = frozenset()
+        coord.collecting = False
+        bind_global(job=None)

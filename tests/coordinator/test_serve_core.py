@@ -28,6 +28,7 @@ from common.serving_messages import (
     TransformerShape,
 )
 from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick
+from services.coordinator.infer_requests import PendingRequest
 from services.coordinator.job_state import Cancelled, Record, Send, SetAssigned
 from services.coordinator.membership import Members, heard, on_heartbeat
 from services.coordinator.serve_core import apply, start
@@ -39,7 +40,6 @@ from services.coordinator.serve_state import (
     Drop,
     Event,
     Limits,
-    PendingRequest,
     ReadShape,
     ShapeRead,
     Taken,

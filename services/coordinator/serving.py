@@ -97,8 +97,8 @@ class ServeRun:
 
     def run(self) -> None:
         """Serve until cancelled or a device fails; every ending is recorded in Redis."""
-        self.begin()
         try:
+            self.begin()
             while not self.ended:
                 for event in self.coord.events():
                     self.feed(event)

@@ -178,6 +178,9 @@ def apply(run: Run, event: Event, now: float) -> Out:
         ]
     if isinstance(event, EpochRaised):
         return _assign(replace(run, epoch=event.epoch), now)
+    if isinstance(event, PlanFailed) and run.phase == "recovering" and run.cancel is not None:
+        # a re-plan under way when the job was cancelled ends with it: the person asked to stop
+        return replace(run, phase="cancelled", outcome=run.cancel, wait=None), []
     measured = run.recovery is not None and run.recovery.kind in ("adapt", "links")
     if isinstance(event, PlanReady | PlanFailed) and run.phase == "recovering" and measured:
         return _planned_again(run, event, now)

@@ -32,6 +32,7 @@ class Host(Protocol):
     """The coordinator's state and I/O a run reads, sets and calls."""
 
     settings: CoordinatorSettings
+    endpoint: str
     store: Store
     members: Members
     assigned: frozenset[DeviceId]
@@ -43,6 +44,8 @@ class Host(Protocol):
     drains: dict[DeviceId, str]
     links_pending: set[tuple[DeviceId, int]]
     infer_queue: FairQueue[Any]
+    services: dict[str, float]
+    """Services heard from, and when they last said hello (monotonic seconds)."""
 
     def send(self, device: DeviceId, msg: Message) -> None:
         """Send a control message to a peer."""

@@ -1,14 +1,21 @@
-"""One job from submission to its end: the shell around the job's pure core.
+"""One job from submission to its end: the shell around the job's pure cores.
 
-Profiling and planning come first (`_plan`); from the assignment on, every
-decision is `driver.apply`'s, and `JobRun` only carries its commands out and
-feeds it events: it owns the coordinator's ROUTER (through `Host.events`
-and `send`), Redis (every write waits out an outage, `Host.durable`)
-and the clock. It records every lifecycle transition in Redis (`job:<id>`
-hash and the `events` stream) and every committed round in the `metrics` and
-`ledger` streams. Rounds are committed only when every device reported; a
-cancel takes effect at the next round boundary, so no half-applied round
-survives it.
+Preparation (waiting for vetted workers, profiling, links, planning, the plan's
+devices) is `prepare.apply`'s; from the assignment on, every decision is
+`driver.apply`'s (a re-plan it asks for runs the preparation core again, from
+the vetting of the devices it names). `JobRun` only feeds them events and
+carries their commands out (`job_effects`): it owns the coordinator's ROUTER
+(through `Host.events` and `send`), Redis (every write waits out an outage,
+`Host.durable`) and the clock. It records every lifecycle transition in Redis
+(`job:<id>` hash and the `events` stream) and every committed round in the
+`metrics` and `ledger` streams. Rounds are committed only when every device
+reported; a cancel takes effect at the next round boundary, so no half-applied
+round survives it.
+
+A run is steppable, for one loop that serves several: `begin()` sends the first
+commands, `feed(event)` takes one event, `ended` says when it is over and
+`result()` gives its summary or raises what ended it; `run()` is that loop over
+`Host.events()`.
 """
 
 from __future__ import annotations
@@ -22,43 +29,28 @@ from typing import Any
 import redis
 from torch import Tensor
 
-from common.checkpoint import (
-    commit_checkpoint,
-    latest_round,
-    prune_checkpoints,
-    remove_orphans,
-    save_stage,
-)
+from common.checkpoint import commit_checkpoint, latest_round, remove_orphans, save_stage
 from common.errors import AsteroidError, ConfigError, StoreUnavailable
 from common.ids import DeviceId
 from common.init_weights import load_init
 from common.lifecycle import TERMINAL, JobState, advance
 from common.logging import bind_global, get_logger
-from common.messages import PlanRequest
-from common.plan import Plan, validate_async
-from common.profile import ClusterSpec, load_profiles
-from common.records.counters import raise_plan_epoch
-from common.records.documents import put_cluster, put_plan, read_cluster, read_plan
-from common.records.jobs import commit_round
+from common.plan import Plan
+from common.records.documents import read_plan
 from common.secrets import mask_text
 from common.store import OUTAGE
 from common.zoo import build_model
-from services.coordinator import driver
+from services.coordinator import driver, prepare
 from services.coordinator.checks import CheckedJob
-from services.coordinator.core import Beats, Heard, Log, SendProbe
+from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick
 from services.coordinator.driver import (
-    Append,
-    Capacities,
-    CheckpointFound,
-    CheckStore,
+    Cancelled,
     Command,
-    CommitCheckpoint,
-    EpochRaised,
+    Drain,
     Event,
     PlanAgain,
     PlanFailed,
     PlanReady,
-    Publish,
     RaiseEpoch,
     ReadCapacities,
     ReadCheckpoint,
@@ -70,26 +62,17 @@ from services.coordinator.driver import (
     StorePlan,
 )
 from services.coordinator.host import Host
-from services.coordinator.link_survey import measure_links
-from services.coordinator.membership import Members
+from services.coordinator.job_effects import Effects, prep_limits
 from services.coordinator.metrics_stream import MetricsStream
 from services.coordinator.outcomes import DeviceLost, JobCancelled, JobFailed, JobSummary
-from services.coordinator.profiling import cluster_for, profile_budgets, profile_workers
-from services.coordinator.recovery import (
-    MemoryInputs,
-    RecoveryImpossible,
-    capacities,
-    memory_inputs,
-)
-from services.coordinator.vetting import Vetting
+from services.coordinator.prepare_state import Command as PrepCommand
+from services.coordinator.prepare_state import Prep, Services
 
 __all__ = ["DeviceLost", "JobCancelled", "JobFailed", "JobRun", "JobSummary"]
 
 log = get_logger(__name__)
-LEDGER_MAX = 1_000_000
-"""Entries the sample ledger keeps (one per committed round and recovery)."""
-STREAM_MAX = 10_000
-"""Entries the events stream keeps (the store's default cap)."""
+_challenges = {"next": -1}
+"""The next challenge nonce of this process: challenges count down, never reused."""
 
 
 class JobRun:
@@ -112,10 +95,6 @@ class JobRun:
         self.total = checked.rounds
         self.state: JobState = "submitted"
         self.store = coord.store
-        self.cluster: ClusterSpec | None = None
-        """The cluster the job was last planned for (none yet, or resumed: read from Redis)."""
-        self.vetting = Vetting(coord, coord.settings.probe_timeout_s)
-        """Which devices a plan may name (claims as their fingerprint says, challenge answered)."""
         root = coord.settings.metrics_dir
         self.stream: MetricsStream | None = None
         """Files the committed metrics are copied to as they are recorded (`metrics_dir`)."""
@@ -123,6 +102,19 @@ class JobRun:
             self.stream = MetricsStream(
                 root, self.jid, partial(self.store.read, "metrics", self.jid)
             )
+        self.effects = Effects(coord, self.job, self.record, self.stream)
+        self.prep: Prep | None = None
+        """The preparation under way: the job's start, or a re-plan the training core asked for."""
+        self.train: Run | None = None
+        """The training core's state, from the first assignment on."""
+        self.proven: frozenset[DeviceId] = frozenset()
+        """Devices that answered a challenge: not asked again for this job."""
+        self.refused: Mapping[DeviceId, str] = {}
+        """Devices left out of plans so far, and why (each logged once)."""
+        self.resume, self.committed = False, 0
+        self.summary: JobSummary | None = None
+        self.error: BaseException | None = None
+        self._open = False
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -152,30 +144,81 @@ class JobRun:
             JobFailed, JobCancelled, ConfigError: after recording the end state.
 
         """
+        self.begin(plan, resume, committed)
+        try:
+            while not self.ended:
+                for event in self.coord.events():
+                    self.feed(event)
+                    if self.ended:
+                        break
+        except KeyboardInterrupt:
+            self.stop("the coordinator was stopped")
+            raise
+        return self.result()
+
+    @property
+    def ended(self) -> bool:
+        """The job finished, failed or was cancelled (`result` says which)."""
+        return self.summary is not None or self.error is not None
+
+    def result(self) -> JobSummary:
+        """The finished job's summary.
+
+        Raises:
+            JobFailed, JobCancelled, ConfigError, StoreUnavailable: what ended the job.
+
+        """
+        if self.error is not None:
+            raise self.error
+        if self.summary is None:
+            raise RuntimeError(f"job {self.jid} has not ended")
+        return self.summary
+
+    def begin(self, plan: Plan | None = None, resume: bool = False, committed: int = 0) -> None:
+        """Start the job: its preparation's first commands (with `plan`: the wait for devices)."""
         bind_global(job=self.jid)
         self.coord.running = self.jid
+        self.coord.collecting = True  # challenge and probe answers come as events
+        self._open = True
+        self.resume, self.committed = resume, committed
+        self._guarded(self._begin, plan)
+
+    def feed(self, event: Event | Services) -> None:
+        """Take one event: what the network brought, time passing, a cancel or a drain.
+
+        After a `Tick` the host's pending cancel, drains and known services are fed too.
+        """
+        if not self.ended:
+            self._guarded(self._feed, event)
+
+    def stop(self, reason: str) -> None:
+        """End the job cancelled at once (the coordinator is stopping)."""
+        if not self.ended:
+            self.record("cancelled", reason=reason)
+            self._end(error=JobCancelled(reason))
+
+    def _guarded(self, step: Any, *args: Any) -> None:
+        """Run a step; an error that ends the job is recorded, and kept for `result`."""
         try:
-            if plan is None and resume and committed:
-                plan = self._stored_plan()
-            if plan is None:
-                plan = self._plan()
-            return self._train(plan, resume, committed)
+            step(*args)
         except JobCancelled as exc:
             self.record("cancelled", reason=str(exc))
-            raise
+            self._end(error=exc)
         except AsteroidError as exc:
             self._drop_uploads()
             self.record("failed", error=str(exc))
-            raise
-        except OUTAGE as exc:  # a Redis step outside `durable` (profiling's cache, say)
+            self._end(error=exc)
+        except OUTAGE as exc:  # a Redis step outside `durable`
             error = f"Redis at {self.store.where} is unreachable: {mask_text(str(exc))}"
             self.record("failed", error=error)
-            raise StoreUnavailable(error) from exc
-        except KeyboardInterrupt:
-            self.record("cancelled", reason="the coordinator was stopped")
-            raise
-        finally:
+            self._end(error=StoreUnavailable(error))
+
+    def _end(self, summary: JobSummary | None = None, error: BaseException | None = None) -> None:
+        self.summary, self.error = summary, error
+        if self._open:
+            self._open = False
             self.coord.running = None
+            self.coord.collecting = False
             if self.stream is not None:
                 self.stream.close()
 
@@ -197,84 +240,120 @@ class JobRun:
         if removed:
             log.info("removed uncommitted checkpoint uploads of the failed job", keys=removed)
 
-    def _plan(self) -> Plan:
-        """Profile the workers' devices (cached profiles reused), then ask the planner."""
+    # --- events ------------------------------------------------------------------
+
+    def _begin(self, plan: Plan | None) -> None:
+        coord, now = self.coord, time.monotonic()
+        if plan is None and self.resume and self.committed:
+            plan = coord.durable("reading the plan", lambda: read_plan(self.store, self.jid))
+        layers = self.checked.layers
+        if plan is None:
+            prep, cmds = prepare.start(
+                self.job,
+                layers,
+                prep_limits(self.coord),
+                now,
+                coord.members,
+                coord.services,
+                _challenges["next"],
+            )
+        else:
+            prep, cmds = prepare.with_plan(
+                self.job, layers, prep_limits(self.coord), plan, now, coord.members
+            )
+        self._prepared(prep, cmds)
+
+    def _feed(self, event: Event | Services) -> None:
+        self._one(event)
+        if not isinstance(event, Tick):
+            return
         coord = self.coord
-        members = self.vetting.wait(self.job.min_workers, coord.settings.join_timeout_s)
-        self.record("profiling", workers=sorted(members))
-        return self._planned(members, "planning")[0]
+        if self.prep is not None:
+            self._one(Services(dict(coord.services)))
+        reason = coord.cancelled.pop(self.jid, None)
+        if reason is not None:
+            self._one(Cancelled(reason))
+        while self.train is not None and coord.drains and not self.ended:
+            device, why = coord.drains.popitem()
+            self._one(Drain(device, why))
 
-    def _planned(
-        self,
-        members: Members,
-        state: JobState | None,
-        current: Plan | None = None,
-        slowdowns: Mapping[DeviceId, float] | None = None,
-    ) -> tuple[Plan, float]:
-        """The planner's plan for `members` (profiled first; cached profiles reused).
+    def _one(self, event: Event | Services) -> None:
+        """Feed one event to the training core and to the preparation under way."""
+        if self.ended:
+            return
+        challenge = isinstance(event, ProbeAnswer) and event.nonce < 0
+        if self.train is not None and not challenge and not isinstance(event, Services):
+            self._trained(event)
+        if self.prep is not None and not self.ended and isinstance(event, _PREP_EVENTS):
+            prep, cmds = prepare.apply(self.prep, event, time.monotonic())
+            self._prepared(prep, cmds)
 
-        The links are measured first unless the cluster spec gives them; each
-        device's profiled times are multiplied by its measured `slowdowns`; with
-        `current`, also the planner's prediction of it on the same cluster (0: none).
-        """
-        job, coord = self.job, self.coord
-        if job.global_batch is None:
-            raise ConfigError("global_batch: required when the planner makes the plan")
-        settings = coord.settings
-        members = self.vetting.vetted(members)
-        keys = profile_workers(coord, job, members)
-        base = coord.cluster_base()
-        budgets = profile_budgets(coord, keys)
-        measured = None if base is not None and base.links else measure_links(coord, members)
-        cluster = cluster_for(
-            members, keys, budgets, base, settings.link_bandwidth, measured, slowdowns
+    # --- preparation -----------------------------------------------------------------
+
+    def _prepared(self, prep: Prep, commands: list[PrepCommand]) -> None:
+        """Carry out the preparation's commands, feeding back their answers; act on its end."""
+        prep = self.effects.prepared(prep, commands)
+        self.prep = prep
+        self.proven, self.refused = prep.proven, prep.refused
+        _challenges["next"] = min(_challenges["next"], prep.next_challenge)
+        if prep.ended:
+            self.prep = None
+            self._ended_prep(prep)
+
+    def _ended_prep(self, prep: Prep) -> None:
+        if prep.replan:  # the training core waits for its answer
+            if prep.phase == "ready" and prep.plan is not None:
+                current_s = (prep.current_s or None) if prep.current is not None else None
+                self._trained(PlanReady(prep.plan, current_s))
+            else:
+                self._trained(PlanFailed(prep.outcome))
+        elif prep.phase == "cancelled":
+            raise JobCancelled(prep.outcome)
+        elif prep.phase == "failed":
+            raise ConfigError(prep.outcome) if prep.config else JobFailed(prep.outcome)
+        else:
+            assert prep.plan is not None  # ready
+            self._train(prep.plan)
+
+    def _replan(self, cmd: RequestPlan | PlanAgain) -> None:
+        """The training core asks for the planner's plan: prepare again, on `cmd.devices`."""
+        coord = self.coord
+        devices = {d: m for d, m in coord.alive().items() if d in cmd.devices}
+        prep, cmds = prepare.replan(
+            self.job,
+            self.checked.layers,
+            prep_limits(self.coord),
+            devices,
+            time.monotonic(),
+            coord.members,
+            coord.services,
+            self.proven,
+            self.refused,
+            _challenges["next"],
+            cmd.current if isinstance(cmd, PlanAgain) else None,
+            cmd.slowdowns if isinstance(cmd, PlanAgain) else None,
         )
-        put_cluster(self.store, self.jid, cluster)
-        self.cluster = cluster
-        if state is not None:
-            self.record(state, planner=job.planner)
-        req = PlanRequest(
-            job_id=self.jid,
-            planner=job.planner,
-            cluster=cluster,
-            profiles=sorted(set(keys.values())),
-            global_batch=job.global_batch,
-            microbatches=job.microbatches or 1,
-            current=current,
-            mode=job.mode,
-            aggregate_every=job.aggregate_every,
-        )
-        return coord.request_scored_plan(req, settings.plan_timeout_s)
+        self._prepared(prep, cmds)
 
     # --- training: the core's shell -------------------------------------------
 
-    def _stored_plan(self) -> Plan | None:
-        """The plan the job last ran on, if Redis has one."""
-        return self.coord.durable("reading the plan", lambda: read_plan(self.store, self.jid))
-
-    def _train(self, plan: Plan, resume: bool, committed: int = 0) -> JobSummary:
-        """Prepare the first assignment, then let the core run the job to its end.
+    def _train(self, plan: Plan) -> None:
+        """The plan's devices are heard from: prepare the first assignment, start the core.
 
         Resumed after `committed` rounds newer than the newest checkpoint, the
         devices keep the state they hold of that round (they outlive a
         coordinator); any that cannot sends the job back to the checkpoint.
         """
-        job, jid, coord = self.job, self.jid, self.coord
+        job, jid, coord, store = self.job, self.jid, self.coord, self.store
         layers = self.checked.layers
-        plan.validate_for(layers)
-        if job.mode == "async":
-            validate_async(plan)
-        store = self.store
-        coord.durable("storing the plan", lambda: put_plan(store, jid, plan))
-        coord.wait_for_devices(plan.devices, coord.settings.join_timeout_s)
         start = (
             coord.durable("finding the checkpoint", lambda: latest_round(store, jid))
-            if resume
+            if self.resume
             else None
         )
-        from_peers = start is not None and committed > start
+        from_peers = start is not None and self.committed > start
         if from_peers:
-            start = committed
+            start = self.committed
         if start is None:  # a fresh start; a resumed job goes on from its checkpoint
             start = 0
             model = build_model(job.model, job.seed, coord.settings.model_modules).full()
@@ -296,7 +375,7 @@ class JobRun:
             hung_min_s=s.hung_min_s,
             hung_factor=s.hung_factor,
         )
-        costs, _, memory = coord.durable("reading the job's profiles", self._capacities)
+        costs, _, memory = coord.durable("reading the job's profiles", self.effects.capacities)
         run, commands = driver.start(
             job,
             self.total,
@@ -311,181 +390,52 @@ class JobRun:
             self.checked.eval_size,
         )
         run, more = driver.apply(run, Beats(coord.members), time.monotonic())
-        run = self._carry_out(run, [*commands, *more])
-        run = self._drive(run)
-        if run.phase == "cancelled":
-            raise JobCancelled(run.outcome)
-        if run.phase == "failed":
-            raise JobFailed(run.outcome)
-        return JobSummary.of(jid, self.total, run.summary)
+        self.train = run
+        self._carry_out([*commands, *more])
 
-    def _drive(self, run: Run) -> Run:
-        """Feed the core what the network brings until the job ends."""
-        coord = self.coord
-        coord.collecting = True
-        try:
-            while not run.ended:
-                for event in coord.events():
-                    run = self._feed(run, event)
-                    if run.ended:
-                        break
-                reason = coord.cancelled.pop(self.jid, None)
-                if reason is not None:
-                    run = self._feed(run, driver.Cancelled(reason))
-                while coord.drains:
-                    device, why = coord.drains.popitem()
-                    run = self._feed(run, driver.Drain(device, why))
-        finally:
-            coord.collecting = False
-        return run
-
-    def _feed(self, run: Run, event: Event) -> Run:
+    def _trained(self, event: Event) -> None:
+        """Feed the training core one event; carry out what it says; end with it."""
+        run = self.train
+        assert run is not None  # training started
         run, commands = driver.apply(run, event, time.monotonic())
-        run = self._carry_out(run, commands)
-        bind_global(round=run.step, phase=run.phase)  # log lines name where the job is
-        return run
+        self.train = run
+        self._carry_out(commands)
 
-    def _carry_out(self, run: Run, commands: list[Command]) -> Run:
+    def _carry_out(self, commands: list[Command]) -> None:
         """Do what the core asked, in order; feed back what a command answers.
 
-        A command that answers (RaiseEpoch, ReadCapacities, ReadCheckpoint,
-        RequestPlan, PlanAgain) is always the last of its list, so its answer's commands
-        simply follow.
+        A command that answers (RaiseEpoch, ReadCapacities, ReadCheckpoint) is
+        always the last of its list, so its answer's commands simply follow; a
+        re-plan (RequestPlan, PlanAgain) is answered once its preparation ends.
         """
         todo = deque(commands)
         while todo:
-            answer = self._do(todo.popleft())
-            if answer is not None:
+            cmd = todo.popleft()
+            if isinstance(cmd, RequestPlan | PlanAgain):
+                self._replan(cmd)
+                continue
+            if isinstance(cmd, RaiseEpoch | ReadCapacities | ReadCheckpoint):
+                answer = self.effects.ask(cmd)
+                run = self.train
+                assert run is not None
                 run, more = driver.apply(run, answer, time.monotonic())
+                self.train = run
                 todo.extend(more)
-        return run
+            elif isinstance(cmd, Send | SendProbe | Heard | Log | Record | StorePlan | SetAssigned):
+                self.effects.shared(cmd)
+            else:
+                self.effects.train(cmd)
+        run = self.train
+        if run is None:
+            return
+        bind_global(round=run.step, phase=run.phase)  # log lines name where the job is
+        if run.ended and not self.ended:
+            if run.phase == "cancelled":
+                raise JobCancelled(run.outcome)
+            if run.phase == "failed":
+                raise JobFailed(run.outcome)
+            self._end(summary=JobSummary.of(self.jid, self.total, run.summary))
 
-    def _do(self, cmd: Command) -> Event | None:
-        """Carry out one command; the event it answers with, if any."""
-        coord, store, jid = self.coord, self.store, self.jid
-        if isinstance(cmd, Send):
-            coord.send(cmd.device, cmd.msg)
-        elif isinstance(cmd, SendProbe | Heard | Log):
-            coord.carry_out(cmd)
-        elif isinstance(cmd, Record):
-            self.record(cmd.state, **cmd.fields)
-        elif isinstance(cmd, Publish):
-            self._publish(cmd)
-        elif isinstance(cmd, Append):
-            maxlen = LEDGER_MAX if cmd.stream == "ledger" else STREAM_MAX
-            entry = dict(cmd.entry)
-            coord.durable(cmd.what, lambda: store.append(cmd.stream, jid, entry, maxlen=maxlen))
-        elif isinstance(cmd, StorePlan):
-            coord.durable("storing the plan", lambda: put_plan(store, jid, cmd.plan))
-        elif isinstance(cmd, SetAssigned):
-            coord.assigned = cmd.devices
-        elif isinstance(cmd, CheckStore):
-            # leaders write to Redis; they wait out an outage themselves, but none need start in one
-            coord.durable(cmd.what, store.probe)
-        elif isinstance(cmd, CommitCheckpoint):
-            self._commit(cmd)
-        else:
-            return self._ask(cmd)
-        return None
 
-    def _ask(
-        self, cmd: RaiseEpoch | ReadCapacities | ReadCheckpoint | RequestPlan | PlanAgain
-    ) -> Event:
-        """Carry out a command whose answer the core waits for."""
-        coord, store, jid = self.coord, self.store, self.jid
-        if isinstance(cmd, RaiseEpoch):
-            return EpochRaised(
-                coord.durable("raising the plan epoch", lambda: raise_plan_epoch(store))
-            )
-        if isinstance(cmd, ReadCapacities):
-            return Capacities(*coord.durable("reading the job's profiles", self._capacities))
-        if isinstance(cmd, ReadCheckpoint):
-            return CheckpointFound(
-                coord.durable("finding the checkpoint", lambda: latest_round(store, jid))
-            )
-        # RequestPlan, or PlanAgain: `_planned` measures the links again either way
-        members = {d: m for d, m in coord.alive().items() if d in cmd.devices}
-        current = cmd.current if isinstance(cmd, PlanAgain) else None
-        slowdowns = cmd.slowdowns if isinstance(cmd, PlanAgain) else {}
-        try:
-            plan, current_s = self._planned(members, None, current, slowdowns)
-            if self.job.mode == "async":
-                validate_async(plan)
-        except (AsteroidError, RecoveryImpossible) as exc:
-            return PlanFailed(str(exc))
-        return PlanReady(plan, (current_s or None) if current is not None else None)
-
-    def _commit(self, cmd: CommitCheckpoint) -> None:
-        """Publish a checkpoint (every layer is written); a job's own one is an event too.
-
-        Once it is durable, the oldest beyond the job's `keep_checkpoints` go.
-        """
-        store, jid = self.store, self.jid
-
-        def commit() -> None:
-            digests = None if cmd.digests is None else [dict(d) for d in cmd.digests]
-            commit_checkpoint(store, jid, cmd.round, cmd.layers, digests, cmd.version)
-            if cmd.digests is not None:
-                store.append("events", jid, {"event": "checkpoint", "round": cmd.round})
-            store.wait_durable()
-            prune_checkpoints(store, jid, self.job.keep_checkpoints)  # once the new one is durable
-
-        what = f"committing the checkpoint of round {cmd.round}"
-        self.coord.durable(what, commit)
-
-    def _capacities(
-        self,
-    ) -> tuple[list[float] | None, dict[DeviceId, float] | None, MemoryInputs | None]:
-        """Layer costs, device speeds and memory inputs from the job's profiles; None if unknown.
-
-        A device's budget is what its heartbeat reports, else what the planner was
-        given for it, else 0 (unknown, so unlimited): the survivors' plan must fit
-        the memory they really have, not just balance their speed.
-        """
-        cluster = self.cluster
-        if cluster is None:  # resumed: the cluster an earlier coordinator planned for
-            cluster = read_cluster(self.store, self.jid)
-            if cluster is None:
-                return None, None, None
-        try:
-            keys = sorted({d.profile for d in cluster.devices if d.profile})
-            profiles = load_profiles(self.store, keys)
-        except ConfigError:  # a profile is gone: weigh layers and devices alike
-            return None, None, None
-        planned = {DeviceId(device.name): device.memory_bytes for device in cluster.devices}
-        budgets = {
-            d: m.info.memory_budget or planned.get(d, 0) for d, m in self.coord.members.items()
-        }
-        memory = memory_inputs(cluster, profiles, budgets)
-        if self.job.global_batch is None:
-            return None, None, memory
-        try:
-            costs, speeds = capacities(cluster, profiles, self.job.global_batch)
-        except RecoveryImpossible:
-            return None, None, memory
-        return costs, speeds, memory
-
-    def _publish(self, cmd: Publish) -> None:
-        """Update the job's hash and its metrics (and ledger) streams, waiting out an outage.
-
-        The job goes on only once all are written: a round is committed when Redis
-        says so, which is what makes an outage pause the job at a round boundary.
-        The metrics entry gets the wall-clock `time` of that commit (TensorBoard
-        places the point there); with `metrics_dir`, the entry is copied to the
-        job's files next.
-        """
-        store, jid = self.store, self.jid
-        metrics = dict(cmd.metrics)
-
-        def write() -> None:
-            metrics["time"] = now = time.time()
-            entries = {"metrics": (metrics, STREAM_MAX)}
-            if cmd.ledger is not None:
-                entries["ledger"] = (dict(cmd.ledger), LEDGER_MAX)
-            commit_round(store, jid, cmd.fields, entries, now)
-            if cmd.ledger is not None:
-                store.wait_durable()  # a round is committed once Redis has it on disk
-
-        self.coord.durable(cmd.what, write)
-        if self.stream is not None:
-            self.stream.record(metrics)
+_PREP_EVENTS = (Beats, Reply, ProbeAnswer, Tick, Cancelled, Services)
+"""What a preparation takes of the events (no drain, no answer meant for the training core)."""

@@ -1,34 +1,27 @@
-"""The profiling phase: a profile for every kind of device a job runs on, and the cluster.
+"""What profiling decides, as pure functions: the batch sizes to profile, and the cluster.
 
 Workers of one kind (same fingerprint: CPU, cores, threads, quota, memory)
 share one profile, stored in Redis under `profile:<model key>:<fingerprint>`
-and reused by every later job. A missing one is asked of a profiler service
-running on such a device; a profiler on another kind of device says so and
-the next one is asked.
+and reused by every later job; a missing one is asked of a profiler service
+running on such a device (`prepare_steps`). The planner then sees each worker
+with its profile, memory and slowdown (`cluster_for`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pydantic import ValidationError
-
-from common.errors import AsteroidError, ConfigError
+from common.errors import ConfigError
 from common.ids import DeviceId
-from common.job import JobSpec
-from common.messages import Heartbeat, ProfileReply, ProfileRequest
-from common.model_key import model_key
-from common.profile import ClusterSpec, DeviceSpec, Profile
+from common.messages import Heartbeat
+from common.profile import ClusterSpec, DeviceSpec
 from services.coordinator.claims import memory_cap
-from services.coordinator.host import Host
 from services.coordinator.membership import Member
 
 __all__ = [
     "batch_sizes",
     "cluster_for",
     "host_crowding",
-    "profile_budgets",
-    "profile_workers",
 ]
 
 
@@ -42,91 +35,6 @@ def batch_sizes(micro: int) -> list[int]:
     while sizes[-1] * 2 < micro:
         sizes.append(sizes[-1] * 2)
     return sorted({*sizes, micro})
-
-
-def _cached(coord: Host, key: str, sizes: list[int]) -> bool:
-    data = coord.store.get_json("profile", key)
-    if data is None:
-        return False
-    try:
-        prof = Profile.model_validate(data)
-    except ValidationError:
-        return False
-    return set(sizes) <= set(prof.batch_sizes)
-
-
-def profile_workers(
-    coord: Host, job: JobSpec, members: dict[DeviceId, Member]
-) -> dict[DeviceId, str]:
-    """The profile key of each worker, profiling each kind of device at most once.
-
-    Raises:
-        JobFailed-like AsteroidError: no profiler on a device of some worker's
-            kind, or profiling failed there (the error names the worker).
-
-    """
-    micro = job.micro_batch or job.global_batch or 1
-    sizes = batch_sizes(micro)
-    mkey = model_key(job.model)
-    keys: dict[DeviceId, str] = {}
-    done: dict[str, str] = {}
-    for device in sorted(members):
-        hb = members[device].info
-        if not hb.fingerprint:
-            raise ConfigError(f"worker {device} did not report a device fingerprint")
-        if hb.fingerprint not in done:
-            key = f"{mkey}:{hb.fingerprint}"
-            if not _cached(coord, key, sizes):
-                req = ProfileRequest(
-                    job_id=job.job_id,
-                    model=job.model,
-                    fingerprint=hb.fingerprint,
-                    threads=hb.threads,
-                    memory_budget=hb.memory_configured,
-                    batch_sizes=sizes,
-                    optimizer=job.optimizer.kind,
-                )
-                key = _ask_profilers(coord, req, device)
-            done[hb.fingerprint] = key
-        keys[device] = done[hb.fingerprint]
-    return keys
-
-
-def profile_budgets(coord: Host, keys: dict[DeviceId, str]) -> dict[str, int]:
-    """The memory budget each profile measured, by profile key."""
-    out = {}
-    for key in set(keys.values()):
-        data = coord.store.get_json("profile", key)
-        out[key] = int(data.get("memory_budget", 0)) if isinstance(data, dict) else 0
-    return out
-
-
-def _ask_profilers(coord: Host, req: ProfileRequest, device: DeviceId) -> str:
-    """Ask profiler services in turn until one on a device like `device` answers."""
-    timeout = coord.settings.profile_timeout_s
-    tried: list[str] = []
-    for name in coord.profilers(timeout_s=min(timeout, coord.settings.join_timeout_s)):
-        reply: ProfileReply = coord.request(
-            name,
-            req,
-            lambda m: (
-                isinstance(m, ProfileReply)
-                and m.job_id == req.job_id
-                and m.fingerprint == req.fingerprint
-            ),
-            timeout,
-            what=f"profile of {req.fingerprint}",
-        )
-        if reply.ok:
-            return reply.key
-        if reply.mine:
-            raise AsteroidError(f"profiling for worker {device} failed on {name}: {reply.error}")
-        tried.append(name)
-    raise AsteroidError(
-        f"no profiler service runs on a device like worker {device} "
-        f"(fingerprint {req.fingerprint}; asked {tried or 'none'}): start "
-        "`asteroid-profiler --serve` on that device"
-    )
 
 
 def host_crowding(members: dict[DeviceId, Member]) -> dict[DeviceId, float]:

@@ -1,20 +1,16 @@
-"""A device's claims: bounded on the wire, held against its fingerprint, proven by an answer."""
+"""A device's claims: bounded on the wire, held against the fingerprint it names."""
 
 from __future__ import annotations
-
-from collections import deque
 
 import pytest
 from pydantic import ValidationError
 
 from common.device import device_fingerprint
-from common.errors import AsteroidError
 from common.ids import DeviceId
-from common.messages import MAX_DEVICE_MEMORY, Heartbeat, Message, Probe, ProbeReply
+from common.messages import MAX_DEVICE_MEMORY, Heartbeat
 from services.coordinator.claims import claim_problem, facts, memory_cap
-from services.coordinator.membership import Member, Members
+from services.coordinator.membership import Member
 from services.coordinator.profiling import cluster_for
-from services.coordinator.vetting import Vetting
 
 GiB = 1 << 30
 FP = "x86_64-8c-4t-q2.5-3.0g-0123456789"
@@ -109,70 +105,3 @@ def test_the_planner_never_sees_more_memory_than_the_fingerprint_names():
     honest = {DeviceId("w"): Member(DeviceId("w"), 0.0, beat())}
     kept = cluster_for(honest, {DeviceId("w"): "k"}, {"k": 0}, None, 1e6)
     assert kept.devices[0].memory_bytes == 2 * GiB
-
-
-class Shell:
-    """The coordinator as vetting sees it: devices in `answering` answer each probe."""
-
-    def __init__(self, members: Members, answering: set[str]) -> None:
-        self.members = members
-        self.answering = answering
-        self.inbox: deque[tuple[DeviceId, Message]] = deque()
-        self.collecting = False
-        self.running: str | None = None
-        self.sent: list[tuple[DeviceId, Message]] = []
-        self.outbox: list[tuple[DeviceId, Message]] = []
-
-    def send(self, device: DeviceId, msg: Message) -> None:
-        self.sent.append((device, msg))
-        if device in self.answering and isinstance(msg, Probe):
-            self.outbox.append((device, ProbeReply(device=device, nonce=msg.nonce)))
-
-    def pump(self, timeout_s: float) -> None:
-        if self.collecting:  # else the coordinator's suspect bookkeeping takes answers
-            self.inbox.extend(self.outbox)
-            self.outbox.clear()
-
-    def alive(self) -> Members:
-        return dict(self.members)
-
-    def check_cancelled(self, jid: str) -> None:
-        pass
-
-
-def _members(*beats: Heartbeat) -> Members:
-    return {hb.device: Member(hb.device, 0.0, hb) for hb in beats}
-
-
-def test_a_device_that_does_not_answer_the_challenge_is_left_out():
-    members = _members(beat("a"), beat("b"), beat("fake"))
-    shell = Shell(members, answering={"a", "b"})
-    other = (DeviceId("a"), ProbeReply(device=DeviceId("a"), nonce=7))  # a suspect's answer
-    shell.inbox.append(other)
-    vetting = Vetting(shell, timeout_s=0.2)
-    assert sorted(vetting.vetted(members)) == ["a", "b"]
-    assert "did not answer a challenge" in vetting.refused[DeviceId("fake")]
-    assert list(shell.inbox) == [other] and not shell.collecting
-    nonces = [m.nonce for _, m in shell.sent if isinstance(m, Probe)]
-    assert len(nonces) == 3 and all(n < 0 for n in nonces)  # never a suspect's nonce
-    # proven once is enough for the job; the silent one is challenged again
-    shell.sent.clear()
-    assert sorted(vetting.vetted(members)) == ["a", "b"]
-    assert [d for d, _ in shell.sent] == ["fake"]
-
-
-def test_a_device_whose_claims_lie_is_not_even_challenged():
-    members = _members(beat("a"), beat("big", threads=1024))
-    shell = Shell(members, answering={"a", "big"})
-    vetting = Vetting(shell, timeout_s=0.2)
-    assert list(vetting.vetted(members)) == ["a"]
-    assert [d for d, _ in shell.sent] == ["a"]
-    assert "threads 1024" in vetting.refused[DeviceId("big")]
-
-
-def test_waiting_for_min_workers_counts_vetted_devices_only():
-    members = _members(beat("a"), beat("fake"))
-    vetting = Vetting(Shell(members, answering={"a"}), timeout_s=0.05)
-    assert list(vetting.wait(1, timeout_s=5)) == ["a"]
-    with pytest.raises(AsteroidError, match=r"2 workers wanted, 1 joined and vetted.*fake"):
-        vetting.wait(2, timeout_s=0.3)

@@ -794,6 +794,14 @@ def test_heavy_recovery_fails_when_the_planner_cannot_plan() -> None:
     assert s.run.outcome.endswith("; cannot re-plan on ['a', 'c', 'd']: no planner service")
 
 
+def test_a_replan_that_ends_after_a_cancel_ends_the_job_cancelled() -> None:
+    s = heavy_after_losing_b()
+    s.feed(Cancelled("stop it"), at=11.5)
+    assert s.run.phase == "recovering"  # the re-plan is under way
+    assert s.feed(PlanFailed("cancelled: stop it"), at=12.0) == []
+    assert s.run.phase == "cancelled" and s.run.outcome == "stop it"
+
+
 def test_a_recovery_input_outside_a_recovery_is_ignored() -> None:
     s = running(job_of())
     before = s.run

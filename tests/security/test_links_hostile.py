@@ -20,11 +20,16 @@ import zmq
 from common.codec import encode
 from common.curve import CurveKeys, create_key_set
 from common.ids import DeviceId
+from common.job import JobSpec, ModelSpec
 from common.messages import Heartbeat, LinkData, LinkHello, LinksMeasured
 from common.ports import free_port
 from common.settings import CoordinatorSettings
 from common.sockets import connect_dealer
-from services.coordinator.link_survey import measure_links
+from services.coordinator import prepare, prepare_steps
+from services.coordinator.core import Beats, ProbeAnswer, Reply, Tick
+from services.coordinator.job_effects import Effects, prep_limits
+from services.coordinator.membership import Members
+from services.coordinator.prepare_state import Prep
 from services.coordinator.service import Coordinator
 from services.worker.bandwidth import BandwidthSink, probe_link
 from tests.cluster import LocalCluster
@@ -52,6 +57,37 @@ def _pump_until(coord: Coordinator, done: Callable[[], bool], what: str, limit: 
     while not done():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         coord.pump(0.05)
+
+
+def measure_links(coord: Coordinator, members: Members) -> dict[str, float]:
+    """Measure the links among `members` as a job's preparation does; bytes/s by pair.
+
+    The preparation core's link step, fed the coordinator's events, its commands
+    carried out by a job's effects (the matrix stored in Redis) until it moves on.
+    """
+    job = JobSpec(job_id="links", model=ModelSpec(name="mlp"), global_batch=2)
+    effects = Effects(coord, job, lambda *_, **__: None, None)
+    prep = Prep(
+        job=job,
+        layers=1,
+        limits=prep_limits(coord),
+        replan=True,
+        chosen=dict(members),
+        keys={d: "profile" for d in members},  # profiled, as a preparation has them by now
+        budgets={"profile": 1 << 30},
+    )
+    prep = effects.prepared(*prepare_steps.measure_from(prep, time.monotonic()))
+    deadline = time.monotonic() + 60
+    coord.collecting = True
+    try:
+        while prep.phase == "links":
+            assert time.monotonic() < deadline, "the links were not measured in time"
+            for event in coord.events():
+                if isinstance(event, Beats | Reply | ProbeAnswer | Tick):
+                    prep = effects.prepared(*prepare.apply(prep, event, time.monotonic()))
+    finally:
+        coord.collecting = False
+    return dict(prep.rates)
 
 
 def test_the_coordinator_takes_only_the_answer_it_asked_for(ctx, redis_url, cluster_name):

@@ -1,4 +1,4 @@
-"""A home of a federation: the coordinator's federated job type.
+"""A home of a federation: the coordinator's federated job type, the shell of its core.
 
 The job trains like any other, on this home's devices with its plan, but in pieces:
 it joins the federation (`asteroid-federation`) with its sample count and label
@@ -6,13 +6,21 @@ histogram, then repeatedly fetches the model to start from, trains `rounds` loca
 rounds as a job of its own (``<job>.r<N>``: planned, checkpointed and recovered like
 any job), and sends the resulting model with the time the piece took, its response
 latency. The federation decides when the job ends. No sample ever leaves the home.
+
+Every decision is `federated_core.apply`'s; `FederatedRun` carries its commands
+out: it owns the DEALER to the federation (read without waiting whenever it is
+fed an event), the data, Redis and the piece, and keeps the tensors the core
+only names (the model received for a round, the model a piece trained).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections import deque
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
 
 import torch
 import zmq
@@ -22,34 +30,42 @@ from common.checkpoint import load_full_state
 from common.codec import Limits, recv_message, send_message
 from common.curve import COORDINATOR, load_keys
 from common.errors import AsteroidError, ConfigError, ProtocolError
-from common.federation_messages import (
-    FederatedModel,
-    FederationReply,
-    FetchModel,
-    HomeUpdate,
-    JoinFederation,
-)
+from common.federation_messages import FederatedModel, FederationReply
 from common.fl.data import label_histogram
 from common.fl.wire import state_frame, state_from_frame
 from common.job import FederatedSpec, check_job_id
 from common.job_data import open_data
+from common.lifecycle import TERMINAL
 from common.logging import get_logger
-from common.message_base import WireModel
 from common.messages import Message
 from common.plan import Plan
 from common.records.documents import read_plan
 from common.sockets import connect_dealer
 from common.zoo import build_model
+from services.coordinator import federated_core
 from services.coordinator.checks import CheckedJob
+from services.coordinator.core import Log
+from services.coordinator.federated_core import (
+    Answer,
+    Broke,
+    CancelPiece,
+    Command,
+    DataRead,
+    Event,
+    Home,
+    PieceBroke,
+    PieceDone,
+    ReadData,
+    SendFederation,
+    StartPiece,
+)
 from services.coordinator.host import Host
+from services.coordinator.job_state import Cancelled, Record, known
 from services.coordinator.jobs import JobCancelled, JobFailed, JobRun, JobSummary
 
 __all__ = ["FederatedRun", "FederationLink", "home_identity"]
 
 log = get_logger(__name__)
-A = TypeVar("A", bound=WireModel)
-RESEND_S = 5.0
-"""How long a home waits for an answer before sending its request again."""
 
 
 def home_identity(home: int) -> str:
@@ -58,13 +74,9 @@ def home_identity(home: int) -> str:
 
 
 class FederationLink:
-    """One home's DEALER to the federation: a request, then the reply of the kind awaited.
+    """One home's DEALER to the federation: requests out, answers read without waiting."""
 
-    While it waits, `idle` keeps the home's own coordinator serving its workers.
-    """
-
-    def __init__(self, spec: FederatedSpec, federation: str, idle: Callable[[float], None]) -> None:
-        self.spec, self.federation, self.idle = spec, federation, idle
+    def __init__(self, spec: FederatedSpec) -> None:
         self.limits = Limits()
         name = home_identity(spec.home)
         keys = load_keys(spec.keys, "worker", name)
@@ -83,59 +95,111 @@ class FederationLink:
         self.sock.close(0)
         self.ctx.term()
 
-    def ask(
-        self, msg: Message, answer: type[A], tensors: list[Tensor] | None = None
-    ) -> tuple[A, list[Tensor]]:
-        """Send `msg`; the federation's first reply of kind `answer`, with its frames.
+    def send(self, msg: Message, tensors: list[Tensor], fresh: bool) -> None:
+        """Send `msg` with `tensors`; a `fresh` request first drops answers still queued.
 
-        Sent again every `RESEND_S` without an answer: every request is safe to
-        repeat (a repeated update is refused as stale and changes nothing). A
-        refusal raises, except a stale one (its round had closed), which comes
-        back to the caller as the FederationReply it is.
-
-        Raises:
-            JobFailed: No answer within the spec's timeout, or the federation refused.
-
+        Those answer requests sent before (resent ones answered twice, say): out of date.
         """
-        while self.sock.poll(0, zmq.POLLIN):  # answers to resent requests: out of date
+        while fresh and self.sock.poll(0, zmq.POLLIN):
             self.sock.recv_multipart()
-        send_message(self.sock, msg, self.name, tensors or [])
-        now = time.monotonic()
-        deadline, resend = now + self.spec.timeout_s, now + RESEND_S
-        while time.monotonic() < deadline:
-            if not self.sock.poll(0, zmq.POLLIN):
-                self.idle(0.05)
-                if time.monotonic() > resend:  # a restarted federation lost the request
-                    send_message(self.sock, msg, self.name, tensors or [])
-                    resend = time.monotonic() + RESEND_S
-                continue
+        send_message(self.sock, msg, self.name, tensors)
+
+    def received(self) -> Iterable[tuple[FederationReply | FederatedModel, list[Tensor]]]:
+        """The federation's answers that have arrived, with their frames; never waits."""
+        while self.sock.poll(0, zmq.POLLIN):
             try:
                 _, env = recv_message(self.sock, self.limits)
             except ProtocolError as exc:
                 log.warning("bad message from the federation", reason=exc.reason)
                 continue
-            got = env.msg
-            if isinstance(got, FederationReply) and not got.ok and not got.stale:
-                raise JobFailed(f"the federation refused the {msg.type}: {got.error}")
-            if isinstance(got, answer):
-                return got, env.tensors
-        raise JobFailed(
-            f"the federation at {self.spec.address} did not answer the {msg.type} within "
-            f"{self.spec.timeout_s:g} s"
-        )
+            if isinstance(env.msg, FederationReply | FederatedModel):
+                yield env.msg, env.tensors
+            else:
+                log.warning("unexpected message from the federation", type=env.msg.type)
 
 
 class FederatedRun:
-    """Runs a job with a `federation` section as one home of that federation."""
+    """Runs a job with a `federation` section as one home of that federation.
+
+    Steppable: `begin()`, then `feed(event)` with each of the coordinator's
+    events until `ended`, then `result()`; `run()` does all of that over
+    `Host.events()`. Each `feed` also reads what the federation sent and
+    whether someone cancelled the job. A piece runs as one blocking effect
+    (`JobRun.run`), serving the coordinator's socket itself meanwhile.
+    """
 
     def __init__(self, coord: Host, checked: CheckedJob) -> None:
         job = checked.spec
         if job.federation is None:
             raise ConfigError(f"job {job.job_id} has no federation section")
         self.coord, self.checked, self.job, self.spec = coord, checked, job, job.federation
-        self.federation = job.federation.federation_id
-        self.pieces = 0
+        self.jid = job.job_id
         self.model = build_model(job.model, job.seed, coord.settings.model_modules)
+        self.plan: Plan | None = None
+        """The plan the next piece runs on (None: profiled and planned)."""
+        self.home: Home | None = None
+        self.link: FederationLink | None = None
+        self.received: tuple[int, list[Tensor]] | None = None
+        """The model the federation sent last for a round to train (round id, frames)."""
+        self.trained: tuple[int, dict[str, Tensor]] | None = None
+        """The model the last piece trained (piece number, state)."""
+        self.summary: JobSummary | None = None
+        """The last piece's summary."""
+        self.error: AsteroidError | None = None
+        """The error of the effect that failed the job, raised again by `result`."""
+        self.reference: dict[str, Tensor] | None = None
+        """The model's tensors, names and shapes a received model must have."""
+
+    # --- the stepping API ---------------------------------------------------------
+
+    @property
+    def ended(self) -> bool:
+        """Finished, failed or cancelled (recorded): `result` says how."""
+        return self.home is not None and self.home.ended
+
+    def begin(self, plan: Plan | None = None) -> None:
+        """Record the job running, read its data and join; the first piece runs on `plan`."""
+        self.plan = plan
+        self.coord.federated = self.jid
+        broke: Broke | None = None
+        try:
+            self.link = FederationLink(self.spec)
+        except AsteroidError as exc:  # this home's keys: the job fails, recorded
+            self.error, broke = exc, Broke(str(exc))
+        with self._closing():
+            self._carry_out(*federated_core.start(self.job, time.monotonic()))
+            if broke is not None:
+                self._step(broke)
+
+    def feed(self, event: Event) -> None:
+        """Take `event` and what the federation sent meanwhile, and a cancel, if any."""
+        if self.ended:
+            return
+        with self._closing():
+            for msg, frames in known(self.link, "the federation link").received():
+                if isinstance(msg, FederatedModel) and msg.status in ("train", "probe"):
+                    self.received = (msg.round_id, frames)
+                self._step(Answer(msg))
+            self._step(event)
+            reason = self.coord.cancelled.pop(self.jid, None)
+            if reason is not None:
+                self._step(Cancelled(reason))
+
+    def result(self) -> JobSummary:
+        """The last piece's summary once finished.
+
+        Raises:
+            JobFailed, JobCancelled, ConfigError: how the job ended (recorded already).
+
+        """
+        home = known(self.home, "the federated job's start")
+        if home.phase == "finished":
+            return known(self.summary, "a finished piece")
+        if home.phase == "cancelled":
+            raise JobCancelled(home.outcome)
+        if home.phase == "failed":
+            raise self.error if self.error is not None else JobFailed(home.outcome)
+        raise RuntimeError(f"federated job {self.jid} has not ended ({home.phase})")
 
     def run(self, plan: Plan | None = None) -> JobSummary:
         """Take part until the federation says it is done; the last piece's summary.
@@ -144,107 +208,141 @@ class FederatedRun:
             JobFailed, JobCancelled, ConfigError: after recording the end state.
 
         """
-        coord, jid = self.coord, self.job.job_id
-        coord.write_state(jid, "running", federation=self.federation, home=self.spec.home)
-        coord.federated = jid
-        link = FederationLink(self.spec, self.federation, self._idle)
         try:
-            summary = self._take_part(link, plan)
-        except JobCancelled as exc:
-            coord.cancelled.pop(jid, None)
-            coord.write_state(jid, "cancelled", reason=str(exc))
-            raise
-        except AsteroidError as exc:
-            coord.write_state(jid, "failed", error=str(exc))
-            raise
+            self.begin(plan)
+            while not self.ended:
+                for event in self.coord.events():
+                    self.feed(event)
+                    if self.ended:
+                        break
         finally:
-            coord.federated = None
-            link.close()
-        coord.write_state(jid, "finished", pieces=self.pieces)
-        return summary
+            self._close()
+        return self.result()
 
-    def _idle(self, seconds: float) -> None:
-        """Serve the home's workers while the federation is awaited; stop if cancelled."""
-        self.coord.pump(seconds)
-        self.coord.check_cancelled(self.job.job_id)
+    # --- the core's shell -----------------------------------------------------------
 
-    def _take_part(self, link: FederationLink, plan: Plan | None) -> JobSummary:
-        job, home = self.job, self.spec.home
-        data = open_data(job, self.model)
-        if data.train_size is None:
-            raise ConfigError("a federated job needs a finite data set (digits, cifar10)")
-        labels = data.train.labels(torch.arange(data.train_size, dtype=torch.int64))
-        histogram = list(label_histogram(labels, self.model.num_classes))
-        join = JoinFederation(
-            federation=self.federation,
-            home=home,
-            model=job.model,
-            num_samples=data.train_size,
-            histogram=histogram,
-        )
-        link.ask(join, FederationReply)
-        summary: JobSummary | None = None
-        reference = self.model.full().state_dict()
-        while True:
-            self.coord.check_cancelled(job.job_id)
-            asked = time.monotonic()  # the latency counts the model's download too
-            task, frames = link.ask(
-                FetchModel(federation=self.federation, home=home), FederatedModel
-            )
-            if task.status == "done":
-                break
-            if task.status == "wait":
-                self._idle(max(task.wait_s, 0.05))
-                continue
-            start = state_from_frame(frames, reference, "the federation")
-            summary, state = self._piece(start, plan)
-            latency = time.monotonic() - asked
-            plan = self._plan_of(summary.job_id)
-            update = HomeUpdate(
-                federation=self.federation,
-                home=home,
-                round_id=task.round_id,
-                num_samples=data.train_size,
-                latency_s=latency,
-                local_accuracy=summary.evals[-1][2] if summary.evals else -1.0,
-            )
-            reply, _ = link.ask(update, FederationReply, [state_frame(state)])
-            if not reply.ok:  # stale: its round had closed; the next fetch says what now
-                log.warning("update came after its round closed", error=reply.error)
-            log.info(
-                "home update sent",
-                piece=self.pieces,
-                round_id=task.round_id,
-                status=task.status,
-                latency_s=round(latency, 3),
-                version=reply.version,
-            )
-        if summary is None:
-            raise JobFailed(f"the federation {self.federation} ended before this home trained")
-        return summary
+    @contextmanager
+    def _closing(self) -> Iterator[None]:
+        """Close the link when a step raises or ends the job."""
+        try:
+            yield
+        except BaseException:
+            self._close()
+            raise
+        if self.ended:
+            self._close()
 
-    def _piece(
-        self, start: Mapping[str, Tensor], plan: Plan | None
-    ) -> tuple[JobSummary, dict[str, Tensor]]:
-        """Train `rounds` local rounds from `start` as job ``<job>.r<N>``; its final model."""
-        coord, job = self.coord, self.job
-        piece_id = check_job_id(f"{job.job_id}.r{self.pieces}", f"federated job {job.job_id}")
-        self.pieces += 1
+    def _close(self) -> None:
+        """Give up the federation link and the coordinator's federated slot (once)."""
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        if self.coord.federated == self.jid:
+            self.coord.federated = None
+        self.coord.cancelled.pop(self.jid, None)
+
+    def _step(self, event: Event) -> None:
+        if not self.ended:
+            home = known(self.home, "the federated job's start")
+            self._carry_out(*federated_core.apply(home, event, time.monotonic()))
+
+    def _carry_out(self, home: Home, commands: list[Command]) -> None:
+        """Do what the core asked, in order; feed it what a command answers."""
+        self.home = home
+        todo = deque(commands)
+        while todo:
+            answer = self._do(todo.popleft())
+            if answer is not None:
+                self.home, more = federated_core.apply(self.home, answer, time.monotonic())
+                todo.extend(more)
+
+    def _do(self, cmd: Command) -> Event | None:
+        """Carry out one command; the event it answers with, if any."""
+        if isinstance(cmd, Record):
+            self._record(cmd)
+        elif isinstance(cmd, Log):
+            getattr(log, cmd.level)(cmd.event, **cmd.fields)
+        elif isinstance(cmd, SendFederation):
+            tensors = []
+            if cmd.attach is not None:
+                number, state = known(self.trained, "a trained piece")
+                if number != cmd.attach:
+                    raise RuntimeError(f"piece {cmd.attach}'s model is gone (kept: {number})")
+                tensors = [state_frame(state)]
+            known(self.link, "the federation link").send(cmd.msg, tensors, cmd.fresh)
+        elif isinstance(cmd, CancelPiece):
+            self.coord.cancelled[self._piece_id(cmd.number)] = cmd.reason
+        elif isinstance(cmd, ReadData):
+            return self._read_data()
+        elif isinstance(cmd, StartPiece):
+            return self._piece(cmd)
+        return None
+
+    def _record(self, cmd: Record) -> None:
+        """Write a transition the core made (an end as soon as Redis answers)."""
+        log.info("job state", state=cmd.state, **cmd.fields)
+        write = partial(self.coord.write_state, self.jid, cmd.state, **cmd.fields)
+        if cmd.state in TERMINAL:
+            self.coord.write_soon(f"job {self.jid} {cmd.state}", write)
+        else:
+            self.coord.durable(f"recording job state {cmd.state}", write)
+
+    def _read_data(self) -> DataRead | Broke:
+        """The home's sample count and label histogram (never a sample)."""
+        try:
+            data = open_data(self.job, self.model)
+            if data.train_size is None:
+                raise ConfigError("a federated job needs a finite data set (digits, cifar10)")
+            labels = data.train.labels(torch.arange(data.train_size, dtype=torch.int64))
+        except AsteroidError as exc:
+            self.error = exc
+            return Broke(str(exc))
+        histogram = label_histogram(labels, self.model.num_classes)
+        return DataRead(data.train_size, tuple(histogram))
+
+    def _piece_id(self, number: int) -> str:
+        return check_job_id(f"{self.jid}.r{number}", f"federated job {self.jid}")
+
+    def _piece(self, cmd: StartPiece) -> PieceDone | PieceBroke:
+        """Train `rounds` local rounds from the received model as job ``<job>.r<N>``."""
+        try:
+            summary = self._train_piece(cmd)
+        except JobCancelled as exc:
+            return PieceBroke(cmd.number, str(exc), cancelled=True)
+        except AsteroidError as exc:
+            self.error = exc
+            return PieceBroke(cmd.number, str(exc))
+        accuracy = summary.evals[-1][2] if summary.evals else -1.0
+        return PieceDone(cmd.number, accuracy)
+
+    def _train_piece(self, cmd: StartPiece) -> JobSummary:
+        coord, job, number = self.coord, self.job, cmd.number
+        round_id, frames = known(self.received, "the federation's model")
+        if round_id != cmd.round_id:
+            raise RuntimeError(f"the model of round {cmd.round_id} is gone (kept: {round_id})")
+        if self.reference is None:
+            self.reference = self.model.full().state_dict()
+        start = state_from_frame(frames, self.reference, "the federation")
+        self.received = None
+        if number > 0:  # the plan the last piece ended on, if all its devices are here
+            self.plan = self._plan_of(self._piece_id(number - 1))
+        piece_id = self._piece_id(number)
         piece = job.model_copy(
-            update={"job_id": piece_id, "federation": None, "seed": job.seed + self.pieces}
+            update={"job_id": piece_id, "federation": None, "seed": job.seed + number + 1}
         )
         checked = self.checked.piece(piece)
         total = checked.rounds
         coord.durable(f"registering {piece_id}", lambda: coord.register(checked, forget_old=True))
-        summary = JobRun(coord, checked, initial=start).run(plan)
+        summary = JobRun(coord, checked, initial=start).run(self.plan)
         state = coord.durable(
             f"reading the model of {piece_id}",
             lambda: load_full_state(coord.store, piece_id, total),
         )
-        if self.pieces > 1:  # keep the newest piece's checkpoints only
-            old = f"{job.job_id}.r{self.pieces - 2}"
+        self.trained, self.summary = (number, state), summary
+        if number > 0:  # keep the newest piece's checkpoints only
+            old = self._piece_id(number - 1)
             coord.durable(f"removing {old}", lambda: coord.store.delete_prefix("ckpt", old, ""))
-        return summary, state
+        return summary
 
     def _plan_of(self, piece_id: str) -> Plan | None:
         """The plan the last piece ended on, for the next one, if all its devices are here."""

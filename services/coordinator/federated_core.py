@@ -16,6 +16,7 @@ received model by its round and a piece's trained model by the piece's number.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -246,7 +247,8 @@ def start(job: JobSpec, now: float) -> Out:
         job=job,
         timeout_s=fed.timeout_s,
     )
-    home, record = _record(home, "running", {"federation": home.federation, "home": home.home})
+    fields = {"federation": home.federation, "home": str(home.home)}  # the record's text field
+    home, record = _record(home, "running", fields)
     return home, [record, ReadData()]
 
 
@@ -399,7 +401,7 @@ def _send(
     return replace(home, ask=ask), [SendFederation(msg, attach)]
 
 
-def _record(home: Home, to: JobState, fields: dict[str, object]) -> tuple[Home, Record]:
+def _record(home: Home, to: JobState, fields: Mapping[str, object]) -> tuple[Home, Record]:
     """Move the job's lifecycle to `to` (the transition table decides) and say so."""
     return replace(home, lifecycle=advance(home.lifecycle, to)), Record(to, fields)
 

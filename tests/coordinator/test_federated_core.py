@@ -102,7 +102,7 @@ def joined(script: Script) -> None:
 
 def test_start_records_running_then_reads_the_data() -> None:
     script = Script()
-    assert script.out == [Record("running", {"federation": FED, "home": HOME}), ReadData()]
+    assert script.out == [Record("running", {"federation": FED, "home": str(HOME)}), ReadData()]
     assert script.home.lifecycle == "running" and script.home.phase == "reading"
 
 

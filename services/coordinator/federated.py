@@ -61,6 +61,7 @@ from services.coordinator.federated_core import (
 )
 from services.coordinator.host import Host
 from services.coordinator.job_state import Cancelled, Record, known
+from services.coordinator.job_state import Event as JobEvent
 from services.coordinator.jobs import JobCancelled, JobFailed, JobRun, JobSummary
 
 __all__ = ["FederatedRun", "FederationLink", "home_identity"]
@@ -124,8 +125,8 @@ class FederatedRun:
     Steppable: `begin()`, then `feed(event)` with each of the coordinator's
     events until `ended`, then `result()`; `run()` does all of that over
     `Host.events()`. Each `feed` also reads what the federation sent and
-    whether someone cancelled the job. A piece runs as one blocking effect
-    (`JobRun.run`), serving the coordinator's socket itself meanwhile.
+    whether someone cancelled the job. A piece is a `JobRun` stepped the same
+    way: while one is under way, every event fed here is fed to it too.
     """
 
     def __init__(self, coord: Host, checked: CheckedJob) -> None:
@@ -145,6 +146,8 @@ class FederatedRun:
         """The model the last piece trained (piece number, state)."""
         self.summary: JobSummary | None = None
         """The last piece's summary."""
+        self.piece: tuple[int, JobRun] | None = None
+        """The piece under way: its number and run."""
         self.error: AsteroidError | None = None
         """The error of the effect that failed the job, raised again by `result`."""
         self.reference: dict[str, Tensor] | None = None
@@ -171,8 +174,11 @@ class FederatedRun:
             if broke is not None:
                 self._step(broke)
 
-    def feed(self, event: Event) -> None:
-        """Take `event` and what the federation sent meanwhile, and a cancel, if any."""
+    def feed(self, event: JobEvent) -> None:
+        """Take `event`, what the federation sent meanwhile, and a cancel, if any.
+
+        A piece under way takes the event too; its end is the core's next event.
+        """
         if self.ended:
             return
         with self._closing():
@@ -180,6 +186,10 @@ class FederatedRun:
                 if isinstance(msg, FederatedModel) and msg.status in ("train", "probe"):
                     self.received = (msg.round_id, frames)
                 self._step(Answer(msg))
+            if self.piece is not None:
+                self.piece[1].feed(event)
+                if self.piece[1].ended:
+                    self._step(self._piece_ended())
             self._step(event)
             reason = self.coord.cancelled.pop(self.jid, None)
             if reason is not None:
@@ -215,6 +225,10 @@ class FederatedRun:
                     self.feed(event)
                     if self.ended:
                         break
+        except KeyboardInterrupt:
+            if self.piece is not None:  # the piece records its end; this job stays as it was
+                self.piece[1].stop("the coordinator was stopped")
+            raise
         finally:
             self._close()
         return self.result()
@@ -303,19 +317,34 @@ class FederatedRun:
     def _piece_id(self, number: int) -> str:
         return check_job_id(f"{self.jid}.r{number}", f"federated job {self.jid}")
 
-    def _piece(self, cmd: StartPiece) -> PieceDone | PieceBroke:
-        """Train `rounds` local rounds from the received model as job ``<job>.r<N>``."""
+    def _piece(self, cmd: StartPiece) -> PieceDone | PieceBroke | None:
+        """Start training `rounds` local rounds from the received model as ``<job>.r<N>``.
+
+        Its end is an event of its own (`_piece_ended`), unless it ended at once.
+        """
         try:
-            summary = self._train_piece(cmd)
-        except JobCancelled as exc:
-            return PieceBroke(cmd.number, str(exc), cancelled=True)
+            run = self._begin_piece(cmd)
         except AsteroidError as exc:
             self.error = exc
             return PieceBroke(cmd.number, str(exc))
-        accuracy = summary.evals[-1][2] if summary.evals else -1.0
-        return PieceDone(cmd.number, accuracy)
+        self.piece = (cmd.number, run)
+        return self._piece_ended() if run.ended else None
 
-    def _train_piece(self, cmd: StartPiece) -> JobSummary:
+    def _piece_ended(self) -> PieceDone | PieceBroke:
+        """The piece's end, with its trained model kept for the update."""
+        number, run = known(self.piece, "a piece under way")
+        self.piece = None
+        try:
+            summary = self._finish_piece(number, run)
+        except JobCancelled as exc:
+            return PieceBroke(number, str(exc), cancelled=True)
+        except AsteroidError as exc:
+            self.error = exc
+            return PieceBroke(number, str(exc))
+        accuracy = summary.evals[-1][2] if summary.evals else -1.0
+        return PieceDone(number, accuracy)
+
+    def _begin_piece(self, cmd: StartPiece) -> JobRun:
         coord, job, number = self.coord, self.job, cmd.number
         round_id, frames = known(self.received, "the federation's model")
         if round_id != cmd.round_id:
@@ -331,12 +360,18 @@ class FederatedRun:
             update={"job_id": piece_id, "federation": None, "seed": job.seed + number + 1}
         )
         checked = self.checked.piece(piece)
-        total = checked.rounds
         coord.durable(f"registering {piece_id}", lambda: coord.register(checked, forget_old=True))
-        summary = JobRun(coord, checked, initial=start).run(self.plan)
+        run = JobRun(coord, checked, initial=start)
+        run.begin(self.plan)
+        return run
+
+    def _finish_piece(self, number: int, run: JobRun) -> JobSummary:
+        """Its summary, once its model is read; only the newest piece's checkpoints stay."""
+        coord, piece_id = self.coord, run.jid
+        summary = run.result()
         state = coord.durable(
             f"reading the model of {piece_id}",
-            lambda: load_full_state(coord.store, piece_id, total),
+            lambda: load_full_state(coord.store, piece_id, run.total),
         )
         self.trained, self.summary = (number, state), summary
         if number > 0:  # keep the newest piece's checkpoints only

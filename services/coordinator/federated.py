@@ -123,8 +123,8 @@ class FederatedRun:
     """Runs a job with a `federation` section as one home of that federation.
 
     Steppable: `begin()`, then `feed(event)` with each of the coordinator's
-    events until `ended`, then `result()`; `run()` does all of that over
-    `Host.events()`. Each `feed` also reads what the federation sent and
+    events until `ended`, then `result()`, as the coordinator's one loop does.
+    Each `feed` also reads what the federation sent and
     whether someone cancelled the job. A piece is a `JobRun` stepped the same
     way: while one is under way, every event fed here is fed to it too.
     """
@@ -195,6 +195,16 @@ class FederatedRun:
             if reason is not None:
                 self._step(Cancelled(reason))
 
+    def stop(self, reason: str) -> None:
+        """The coordinator stops: the piece under way ends cancelled; this job stays as it was.
+
+        Its record keeps its state, so that a restarted coordinator may take part
+        in the federation again under the same job.
+        """
+        if self.piece is not None:  # the piece records its end
+            self.piece[1].stop(reason)
+        self._close()
+
     def result(self) -> JobSummary:
         """The last piece's summary once finished.
 
@@ -210,30 +220,6 @@ class FederatedRun:
         if home.phase == "failed":
             raise self.error if self.error is not None else JobFailed(home.outcome)
         raise RuntimeError(f"federated job {self.jid} has not ended ({home.phase})")
-
-    def run(self, plan: Plan | None = None) -> JobSummary:
-        """Take part until the federation says it is done; the last piece's summary.
-
-        Raises:
-            JobFailed, JobCancelled, ConfigError: after recording the end state.
-
-        """
-        try:
-            self.begin(plan)
-            while not self.ended:
-                for event in self.coord.events():
-                    self.feed(event)
-                    if self.ended:
-                        break
-        except KeyboardInterrupt:
-            if self.piece is not None:  # the piece records its end; this job stays as it was
-                self.piece[1].stop("the coordinator was stopped")
-            raise
-        finally:
-            self._close()
-        return self.result()
-
-    # --- the core's shell -----------------------------------------------------------
 
     @contextmanager
     def _closing(self) -> Iterator[None]:

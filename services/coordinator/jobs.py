@@ -12,10 +12,9 @@ carries their commands out (`job_effects`): it owns the coordinator's ROUTER
 reported; a cancel takes effect at the next round boundary, so no half-applied
 round survives it.
 
-A run is steppable, for one loop that serves several: `begin()` sends the first
-commands, `feed(event)` takes one event, `ended` says when it is over and
-`result()` gives its summary or raises what ended it; `run()` is that loop over
-`Host.events()`.
+A run is stepped by the coordinator's one loop (`service.Coordinator._loop`):
+`begin()` sends the first commands, `feed(event)` takes one event, `ended`
+says when it is over and `result()` gives its summary or raises what ended it.
 """
 
 from __future__ import annotations
@@ -132,29 +131,6 @@ class JobRun:
             self.coord.write_soon(f"job {self.jid} {to}", write)
         else:
             self.coord.durable(f"recording job state {to}", write)
-
-    def run(self, plan: Plan | None = None, resume: bool = False, committed: int = 0) -> JobSummary:
-        """Run the job to its end; with `plan`, skip profiling and planning.
-
-        With `resume` and `committed` rounds recorded by an earlier coordinator,
-        its stored plan is used and devices are asked to keep the state of that
-        round (`_train`).
-
-        Raises:
-            JobFailed, JobCancelled, ConfigError: after recording the end state.
-
-        """
-        self.begin(plan, resume, committed)
-        try:
-            while not self.ended:
-                for event in self.coord.events():
-                    self.feed(event)
-                    if self.ended:
-                        break
-        except KeyboardInterrupt:
-            self.stop("the coordinator was stopped")
-            raise
-        return self.result()
 
     @property
     def ended(self) -> bool:

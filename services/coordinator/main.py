@@ -100,8 +100,15 @@ def redis_problem(exc: StoreError, where: str) -> str:
     return str(exc)
 
 
-def run(settings: CoordinatorSettings) -> ExitCode:
-    """Run the coordinator as configured; returns the exit code."""
+def run(settings: CoordinatorSettings, stop: Stop | None = None) -> ExitCode:
+    """Run the coordinator as configured; returns the exit code.
+
+    A `stop` (SIGTERM, Ctrl-C) is taken by the coordinator's loop at its next
+    turn: the running job is recorded cancelled and the loop returns. Before the
+    loop runs (Redis first reached, a plan asked of the planner) it unwinds the
+    start as KeyboardInterrupt.
+    """
+    stop = stop or Stop("asteroid-coordinator")
     if settings.plan is not None and settings.job is None:
         log.error("--plan needs --job")
         return ExitCode.CONFIG
@@ -118,6 +125,7 @@ def run(settings: CoordinatorSettings) -> ExitCode:
     except ConfigError as exc:  # e.g. bound beyond loopback without keys
         log.error("coordinator cannot start", error=str(exc))
         return ExitCode.CONFIG
+    stop.on_stop(coord.stop)
     try:
         coord.store.ping()  # one clear error (its URL's password hidden), not a traceback
     except StoreError as exc:
@@ -125,18 +133,24 @@ def run(settings: CoordinatorSettings) -> ExitCode:
         coord.close()
         return ExitCode.REDIS_UNAVAILABLE
     try:
-        coord.raise_fence()
+        with stop.interrupting():
+            coord.raise_fence()
     except AsteroidError as exc:  # Redis stayed away for redis_outage_s
         log.error("coordinator cannot start", error=str(exc))
         coord.close()
         return ExitCode.JOB_FAILED
+    except KeyboardInterrupt:
+        log.info("coordinator stopped")
+        coord.close()
+        return ExitCode.INTERRUPTED
     log.info("coordinator listening", bind=coord.endpoint, version=VERSION)
     try:
         if job is None:
             start_probe_server()  # its imports overlap the wait for the first submission
             coord.serve()
-            return ExitCode.OK
-        plan = _plan(coord, settings, job) if settings.plan else None
+            return _stopped() if coord.stopping else ExitCode.OK
+        with stop.interrupting():
+            plan = _plan(coord, settings, job) if settings.plan else None
         summary = coord.run_job(job, plan, resume=settings.resume, replace=settings.replace)
         log.info("job finished", job=summary.job_id, losses=[round(x, 4) for x in summary.losses])
         return ExitCode.OK
@@ -144,21 +158,26 @@ def run(settings: CoordinatorSettings) -> ExitCode:
         log.error("invalid job", error=str(exc))
         return ExitCode.CONFIG
     except AsteroidError as exc:
+        if coord.stopping:
+            return _stopped()
         log.error("job failed", error=str(exc))
         return ExitCode.JOB_FAILED
     except KeyboardInterrupt:
-        log.info("coordinator stopped")
-        return ExitCode.INTERRUPTED
+        return _stopped()
     finally:
         if settings.shutdown_workers:
             coord.shutdown_workers("coordinator stopped")
         coord.close()
 
 
+def _stopped() -> ExitCode:
+    log.info("coordinator stopped")
+    return ExitCode.INTERRUPTED
+
+
 def _body(settings: CoordinatorSettings, stop: Stop) -> ExitCode:
-    """`run`, unwound by KeyboardInterrupt at a stop: its waits (`pump`) watch no event."""
-    with stop.interrupting():
-        return run(settings)
+    """`run` with the service's stop: the coordinator's loop takes it as it comes."""
+    return run(settings, stop)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,8 +20,9 @@ jobs one after another (`serve`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 from common.errors import AsteroidError
 from common.ids import DeviceId
@@ -49,6 +50,7 @@ from common.serving_messages import InferRequest, ServeModel, ServeSpec
 from common.settings import CoordinatorSettings
 from common.store import Store
 from services.coordinator import job_records
+from services.coordinator.active import A, Active, Crashed, Run, job_of
 from services.coordinator.checks import CheckedJob, check_job
 from services.coordinator.clients import Clients, Slot
 from services.coordinator.control import PUMP_MAX_MESSAGES, ControlSocket, role_refusal
@@ -72,7 +74,11 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
-T = TypeVar("T")
+ACTIVE_POLL_S = 0.05
+"""Longest the loop waits for a message while a job runs: its cores' clocks tick at least
+this often (a step's deadline, a probe's timeout, a request's wait_s are checked per tick)."""
+IDLE_POLL_S = 0.2
+"""Longest the loop waits for a message between jobs."""
 
 
 class Coordinator:
@@ -97,6 +103,10 @@ class Coordinator:
             self.slot,
             self.pump,
         )
+        self.active: Active | None = None
+        """The running job's run, which the loop steps (`_loop`); None between jobs."""
+        self.stopping: str | None = None
+        """Why the coordinator stops (a signal's name), once `stop` was called."""
         self.links_pending: set[tuple[DeviceId, int]] = set()
         """Link measurements asked (worker, nonce) and not answered: only their answers count."""
         self._next_link_nonce = 1
@@ -107,10 +117,8 @@ class Coordinator:
         self.submit = self.clients.submit
         self.check_cancelled = self.waits.check_cancelled
         self.wait_for_devices = self.waits.wait_for_devices
-        self.wait_for_count = self.waits.wait_for_count
         self.alive = self.waits.alive
         self.cluster_base = self.waits.cluster_base
-        self.profilers = self.waits.profilers
         self.request = self.waits.request
         self.events = self.waits.events
         self.carry_out = self.waits.carry_out
@@ -192,8 +200,14 @@ class Coordinator:
     # --- the socket -----------------------------------------------------------------
 
     def _idle(self, seconds: float) -> None:
-        """Serve the socket for `seconds`; a cancel of the running job takes effect here too."""
+        """Serve the socket for `seconds` while a Redis write waits out an outage.
+
+        A cancel of the running job, or the coordinator's stop, ends the wait
+        (JobCancelled): the job is recorded cancelled once Redis is back.
+        """
         self.pump(seconds)
+        if self.running and self.stopping is not None:
+            raise JobCancelled("the coordinator was stopped")
         if self.running:
             self.check_cancelled(self.running)
 
@@ -304,45 +318,121 @@ class Coordinator:
     def _run(
         self, checked: CheckedJob, plan: Plan | None, resume: bool, committed: int
     ) -> JobSummary:
-        """Run a registered job: as one home of a federation if it says so, else plainly."""
-        if checked.spec.federation is not None:
-            return FederatedRun(self, checked).run(plan)
-        return JobRun(self, checked).run(plan, resume, committed)
+        """Run a registered job in the one loop; its summary, or what ended it is raised."""
+        self.active = self._started(checked, plan, resume, committed)
+        ended = self._loop(until=checked.job_id)
+        if ended is None:  # stopped: the job was recorded cancelled
+            raise JobCancelled("the coordinator was stopped")
+        if isinstance(ended, ServeRun):  # unreachable: a checked job is a training job
+            raise JobFailed(f"job {checked.job_id} is a serving job")
+        return ended.result()
 
     def serve(self, stop_after: str | None = None) -> JobSummary | None:
-        """Run submitted jobs one after another until interrupted.
+        """Run submitted jobs one after another until stopped (`stop`).
 
         With `stop_after`, return once that job has ended (its summary, or None
         if it did not finish).
         """
+        ended = self._loop(until=stop_after)
+        if ended is None or isinstance(ended, ServeRun):
+            return None
+        try:
+            return ended.result()
+        except AsteroidError:
+            return None
+
+    def stop(self, why: str) -> None:
+        """Stop the coordinator: the loop ends the running job (recorded cancelled) and returns.
+
+        Called from a signal handler (`common.bootstrap.Stop.on_stop`): it only
+        notes the stop, which the loop takes at its next turn.
+        """
+        self.stopping = why
+
+    def _loop(self, until: str | None = None) -> Active | None:
+        """The coordinator's one loop: serve the socket and step the running job.
+
+        Each turn reads what arrived (`events`: the registry and people's
+        requests are served as it is read) and feeds it to the running job, whose
+        core decides and whose shell carries the decisions out; a job that ended
+        is finished and the next queued one started. Returns the run of job
+        `until` once it ended, or None when stopped.
+        """
         while True:
-            self.pump(0.2)
-            if not self.queue:
-                continue
-            job = self.queue.popleft()
-            summary = None
-            try:
-                if isinstance(job, ServeSpec):
-                    ServeRun(self, job).run()
-                else:
-                    summary = self._run(job, None, False, 0)
-            except AsteroidError as exc:
-                log.error("job ended", job=job.job_id, error=str(exc))
-            except Exception as exc:  # one job's unforeseen error ends that job, not the service
-                log.exception("job crashed", job=job.job_id)
-                self.write_soon(
-                    f"job {job.job_id} failed",
-                    partial(
-                        job_records.write_state,
-                        self.store,
-                        job.job_id,
-                        "failed",
-                        error=f"job {job.job_id} "
-                        f"crashed in the coordinator: {mask_text(repr(exc))}",
-                    ),
-                )
-            if stop_after == job.job_id:
-                return summary
+            if self.stopping is not None:
+                if self.active is not None:
+                    self._stop_active(self.stopping)
+                return None
+            if self.active is None:
+                self.active = self._next_queued()
+            active = self.active
+            poll = ACTIVE_POLL_S if active is not None else IDLE_POLL_S
+            for event in self.events(poll):
+                if active is None or active.ended or self.stopping is not None:
+                    continue
+                active = self.active = self._guard(active, partial(active.feed, event))
+            if active is not None and active.ended:
+                self.active = None
+                self._report(active)
+                if until is not None and job_of(active) == until:
+                    return active
+
+    def _started(
+        self, checked: CheckedJob, plan: Plan | None, resume: bool, committed: int
+    ) -> Run | Crashed:
+        """A registered training job's run, begun: as a home of a federation if it says so."""
+        if checked.spec.federation is not None:
+            federated = FederatedRun(self, checked)
+            return self._guard(federated, partial(federated.begin, plan))
+        run = JobRun(self, checked)
+        return self._guard(run, partial(run.begin, plan, resume, committed))
+
+    def _next_queued(self) -> Active | None:
+        """The next queued job, begun; None when the queue is empty."""
+        if not self.queue:
+            return None
+        job = self.queue.popleft()
+        if isinstance(job, ServeSpec):
+            serving = ServeRun(self, job)
+            return self._guard(serving, serving.begin)
+        return self._started(job, None, False, 0)
+
+    def _guard(self, active: A, step: Callable[[], None]) -> A | Crashed:
+        """Take one step of `active`; an error nobody foresaw ends that job, not the service.
+
+        The job is then recorded failed, the coordinator's job slot freed and the
+        run replaced by its `Crashed` end, which raises the error as its result.
+        """
+        try:
+            step()
+            return active
+        except Exception as exc:
+            jid = job_of(active)
+            log.exception("job crashed", job=jid)
+            error = f"job {jid} crashed in the coordinator: {mask_text(repr(exc))}"
+            self.write_soon(
+                f"job {jid} failed",
+                partial(job_records.write_state, self.store, jid, "failed", error=error),
+            )
+            self.running, self.federated, self.collecting = None, None, False
+            self.assigned = frozenset()
+            return Crashed(jid, JobFailed(error))
+
+    def _stop_active(self, why: str) -> None:
+        """End the running job at once because the coordinator stops."""
+        active, self.active = self.active, None
+        if active is not None and not active.ended:
+            log.info("stopping the running job", job=job_of(active), signal=why)
+            self._guard(active, partial(active.stop, "the coordinator was stopped"))
+
+    def _report(self, active: Active) -> None:
+        """Log how a job ended (its record says so already)."""
+        if isinstance(active, ServeRun):
+            return
+        try:
+            active.result()
+        except AsteroidError as exc:
+            log.error("job ended", job=job_of(active), error=str(exc))
 
     def shutdown_workers(self, reason: str) -> None:
         """Tell every known worker to exit."""

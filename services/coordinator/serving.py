@@ -73,7 +73,7 @@ class ServeRun:
 
     `begin()` starts it, `feed(event)` hands it each event of `Host.events`
     (at a `Tick` it also looks for a cancel and at the queue of requests), and
-    `ended` says when it is over; `run()` is that loop on its own.
+    `ended` says when it is over; the coordinator's one loop does that.
     """
 
     def __init__(self, coord: Host, spec: ServeSpec) -> None:
@@ -95,18 +95,6 @@ class ServeRun:
         """Requests run on the devices so far."""
         return 0 if self.core is None else self.core.requests
 
-    def run(self) -> None:
-        """Serve until cancelled or a device fails; every ending is recorded in Redis."""
-        try:
-            self.begin()
-            while not self.ended:
-                for event in self.coord.events():
-                    self.feed(event)
-                    if self.ended:
-                        break
-        finally:
-            self._release()
-
     def begin(self) -> None:
         """Take the coordinator's job slot and start the core."""
         coord, jid = self.coord, self.spec.serve_id
@@ -123,6 +111,18 @@ class ServeRun:
             self.spec, limits, self.epoch, coord.members, sorted(coord.alive()), time.monotonic()
         )
         self._carry_out(commands)
+
+    def stop(self, reason: str) -> None:
+        """End the job at once (the coordinator stops): recorded cancelled, the queue refused.
+
+        A cancel waits for the request under way to be answered; a stop does not.
+        """
+        if self.core is None or self._released:
+            return
+        self._step(Cancelled(reason))
+        if not self.ended:  # a request runs: its answer is not waited for
+            self._record("cancelled", reason=reason)
+            self._release()
 
     def feed(self, event: Event) -> None:
         """Hand the core one event; at a `Tick`, a cancel and the queue go first."""

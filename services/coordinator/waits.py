@@ -108,19 +108,6 @@ class Waits:
         """Workers whose heartbeats are current."""
         return self.registry.alive(time.monotonic())
 
-    def wait_for_count(self, count: int, timeout_s: float) -> None:
-        """Block until at least `count` workers are alive."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.alive()) < count:
-            if time.monotonic() > deadline:
-                raise JobFailed(
-                    f"min_workers: {count} workers wanted, {len(self.alive())} joined within "
-                    f"{timeout_s:g} s ({sorted(self.alive())})"
-                )
-            if self.slot.running:
-                self.check_cancelled(self.slot.running)
-            self.pump(0.1)
-
     def cluster_base(self) -> ClusterSpec | None:
         """The cluster spec file given with --cluster-spec, if any."""
         path: Path | None = self.settings.cluster_spec
@@ -130,22 +117,6 @@ class Waits:
             return ClusterSpec.model_validate(yaml.safe_load(path.read_text()))
         except (OSError, yaml.YAMLError, ValidationError) as exc:
             raise ConfigError(f"cluster spec {path} is invalid: {exc}") from exc
-
-    def profilers(self, timeout_s: float) -> list[str]:
-        """Profiler services heard from recently, waiting up to `timeout_s` for one."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            fresh = (
-                time.monotonic() - 10 * self.settings.heartbeat_s * self.settings.heartbeat_misses
-            )
-            found = sorted(
-                n
-                for n, t in self.registry.services.items()
-                if n.startswith("profiler") and t > fresh
-            )
-            if found or time.monotonic() > deadline:
-                return found
-            self.pump(0.1)
 
     def request(
         self,

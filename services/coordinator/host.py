@@ -1,7 +1,7 @@
 """What a job's shell may use of the coordinator, as a protocol.
 
-Training, serving and federated runs (`jobs`, `serving`, `federated`,
-`profiling`) take a `Host` rather than the `Coordinator` class, so none of them
+Training, serving and federated runs (`jobs`, `job_effects`, `serving`,
+`federated`) take a `Host` rather than the `Coordinator` class, so none of them
 imports the service module that runs them: the service depends on its runs,
 never the other way round.
 """

@@ -119,12 +119,10 @@ class Coordinator:
         self.wait_for_devices = self.waits.wait_for_devices
         self.alive = self.waits.alive
         self.cluster_base = self.waits.cluster_base
-        self.request = self.waits.request
         self.events = self.waits.events
         self.carry_out = self.waits.carry_out
         self.gather = self.waits.gather
         self.request_plan = self.waits.request_plan
-        self.request_scored_plan = self.waits.request_scored_plan
         self.queue, self.infer_queue = self.clients.queue, self.clients.infer_queue
         self.cancelled, self.drains = self.clients.cancelled, self.clients.drains
         self.inbox, self.replica_news = self.waits.inbox, self.waits.replica_news

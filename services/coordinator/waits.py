@@ -1,9 +1,12 @@
-"""The coordinator's waits outside a job's core: for devices, a service, a reply, one step.
+"""What the loop reads (`events`), and the few waits that happen outside it.
 
-Each wait keeps the coordinator serving its socket (`pump`) while it waits, so
-heartbeats, people's requests and a cancel are still taken; a cancel of the
-running job ends the wait with JobCancelled. A step's wait judges silent and
-hung devices by `core.apply`'s rules, exactly as a job's steps do (`driver`).
+`events` is how the coordinator's one loop sees the network: it pumps the socket
+once and yields the membership, replica reports, replies and probe answers and a
+tick, for the running job's shell to feed its core. The blocking waits below
+(`request_plan`: a plan asked of the planner before the loop starts, for
+`--plan planner:NAME`; `wait_for_devices` and `gather`, which tests use to drive
+workers step by step) keep serving the socket while they wait, and judge silent
+and hung devices by `core.apply`'s rules, exactly as a job's steps do.
 """
 
 from __future__ import annotations

@@ -284,7 +284,9 @@ def test_a_greedy_requester_neither_starves_another_nor_waits_past_its_wait(serv
     overtaken = [r.request for r in greedy if r.ok and r.request > polite.request]
     assert len(overtaken) >= 8, (polite.request, overtaken)  # not behind all that waited
 
-    impatient = InferRequest(serve_id="fair", ids=ids, new_tokens=40, wait_s=0.2)
+    # requests run back to back, each a round trip and 40 decoding steps (well over 1 ms):
+    # of 8 sent at once, those behind the first wait longer than 1 ms for their turn
+    impatient = InferRequest(serve_id="fair", ids=ids, new_tokens=40, wait_s=0.001)
     late = [r for r in _send_requests(serving.cluster.addr, "impatient", [impatient] * 8)]
     waited = [r for r in late if not r.ok and "for its turn" in r.error]
     assert len(late) == 8 and waited, [r.error for r in late]

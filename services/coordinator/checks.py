@@ -10,7 +10,6 @@ machine; on several, stage 0's devices read it).
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 
 from common.errors import ConfigError, DataPathError
 from common.init_weights import WeightsMismatch, init_header
@@ -18,6 +17,7 @@ from common.job import JobSpec
 from common.job_data import eval_size, train_size
 from common.logging import get_logger
 from common.planner_names import PLANNER_NAMES
+from services.coordinator.checked import CheckedJob
 from services.coordinator.model_probe import ProbeLimits, probe_model
 
 __all__ = ["CheckedJob", "check_job"]
@@ -25,44 +25,6 @@ __all__ = ["CheckedJob", "check_job"]
 
 _LIMITS = ProbeLimits()
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class CheckedJob:
-    """A job spec that passed `check_job`, with what the check derived from it.
-
-    Checked once where the job enters (a submission, a run), then passed on as
-    one value, so nothing downstream builds the model or sizes the data again.
-
-    Attributes:
-        spec: The job as submitted.
-        rounds: Rounds it runs (its `epochs` turned into rounds, or `rounds`).
-        train_size: Training samples (None: an unbounded synthetic stream).
-        eval_size: Held-out samples one evaluation covers.
-        layers: The model's placeable layers (what a plan must cover).
-
-    """
-
-    spec: JobSpec
-    rounds: int
-    train_size: int | None
-    eval_size: int
-    layers: int
-
-    @property
-    def job_id(self) -> str:
-        """The job's id, as the queue and the records name it."""
-        return self.spec.job_id
-
-    def piece(self, spec: JobSpec) -> CheckedJob:
-        """The same checks for `spec`, a federated home's piece of this job.
-
-        A piece differs only in its id, seed and round count (its `epochs` over
-        the same data), so the model and data sizes carry over.
-        """
-        return CheckedJob(
-            spec, spec.total_rounds(self.train_size), self.train_size, self.eval_size, self.layers
-        )
 
 
 def check_job(

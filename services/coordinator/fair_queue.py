@@ -39,6 +39,11 @@ class FairQueue(Generic[T]):
         for line in self._lines.values():
             yield from line
 
+    def copied(self) -> FairQueue[T]:
+        """A copy that changes apart from this one (the items themselves are shared)."""
+        lines = OrderedDict((owner, deque(line)) for owner, line in self._lines.items())
+        return FairQueue(self.per_owner, self.total, lines, self._size)
+
     def offer(self, owner: str, item: T) -> str | None:
         """Queue `item` for `owner`; or the reason it cannot wait (nothing is queued)."""
         line = self._lines.get(owner)

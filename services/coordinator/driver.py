@@ -9,12 +9,12 @@ here, from the job's state and one event at a time, and returned as commands.
 The shell (`jobs.JobRun`) owns the ROUTER, Redis and the clock: it carries the
 commands out, feeds back their results (a raised plan epoch, the recovery
 inputs it read, the planner's plan) and what the network brings (replies,
-heartbeats, probe answers, replica reports, a cancel, time passing). So every
-rule is tested with scripted events on a fake clock, without sockets or Redis.
+heartbeats, probe answers, replica reports, a cancel, time passing, Redis
+going away and coming back). So every rule is tested with scripted events on
+a fake clock, without sockets or Redis.
 
-Waiting for one step's replies is the inner core `core.apply`; this module
-wraps it: a wait's verdict (complete, a worker's error, devices lost) moves
-the job to its next step.
+Waiting for one step's replies is the inner core `core.apply`; a wait's
+verdict (complete, a worker's error, devices lost) moves the job on.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from common.messages import (
 )
 from common.plan import Plan
 from common.replica_digests import check_replicas
-from services.coordinator import adapt, commits, core, link_drift, recovering, remeasure
+from services.coordinator import adapt, commits, core, link_drift, outages, recovering, remeasure
 from services.coordinator.adapt import Speeds
 from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick
 from services.coordinator.job_state import (
@@ -78,6 +78,7 @@ from services.coordinator.job_state import (
 from services.coordinator.membership import on_probe_reply
 from services.coordinator.recovery import MemoryInputs
 from services.coordinator.replicas import ReplicaBook
+from services.coordinator.store_outage import StoreBack, StoreDown
 
 __all__ = [
     "Append",
@@ -156,6 +157,10 @@ def start(
 
 def apply(run: Run, event: Event, now: float) -> Out:
     """The job after `event` at time `now`, and what the shell must do about it."""
+    if isinstance(event, StoreDown | StoreBack):
+        return outages.noted(run, event, now)
+    if isinstance(event, Tick):  # during a Redis outage the step stands still, for so long
+        run = outages.waited(run, now)
     if run.ended:
         return run, []
     if isinstance(event, Beats):

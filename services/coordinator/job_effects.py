@@ -4,16 +4,18 @@
 training core (`driver`); both answer with commands, and this module carries
 out those that touch Redis, the ROUTER or the log. A command that reads
 something returns the event that answers it (the core waits for it); the rest
-return None. Every Redis step waits out an outage (`Host.durable`).
+return None. A preparation's Redis steps wait out an outage (`Host.durable`);
+the training core's are tried once (`held.once`): an outage raises, and the
+run holds the step and what follows it (`held.Held`) while the core decides.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -21,6 +23,7 @@ from common.checkpoint import commit_checkpoint, latest_round, prune_checkpoints
 from common.errors import AsteroidError, ConfigError
 from common.ids import DeviceId
 from common.job import JobSpec
+from common.lifecycle import JobState
 from common.logging import get_logger
 from common.profile import ClusterSpec, Profile, load_profiles
 from common.records.counters import raise_plan_epoch
@@ -44,6 +47,7 @@ from services.coordinator.driver import (
     SetAssigned,
     StorePlan,
 )
+from services.coordinator.held import once
 from services.coordinator.host import Host
 from services.coordinator.metrics_stream import MetricsStream
 from services.coordinator.prepare_state import (
@@ -72,6 +76,7 @@ from services.coordinator.recovery import (
 __all__ = ["LEDGER_MAX", "STREAM_MAX", "Effects", "prep_limits"]
 
 log = get_logger(__name__)
+T = TypeVar("T")
 LEDGER_MAX = 1_000_000
 """Entries the sample ledger keeps (one per committed round and recovery)."""
 STREAM_MAX = 10_000
@@ -105,28 +110,35 @@ class Effects:
         self,
         coord: Host,
         job: JobSpec,
-        record: Callable[..., None],
+        record: Callable[[JobState, Mapping[str, Any], bool], None],
         stream: MetricsStream | None,
     ) -> None:
         self.coord, self.job, self.jid = coord, job, job.job_id
         self.store = coord.store
         self.record = record
-        """Moves the job's lifecycle state (`JobRun.record`)."""
+        """Moves the job's lifecycle state (`JobRun.recorded`; True: tried `once`)."""
         self.stream = stream
         self.cluster: ClusterSpec | None = None
         """The cluster the job was last planned for (none yet, or resumed: read from Redis)."""
 
-    def shared(self, cmd: Shared | SendProbe | Heard) -> None:
-        """Carry out a command either core gives."""
+    def once(self, what: str, op: Callable[[], T]) -> T:
+        """`op()`, a training step's Redis step, tried once: an outage raises `held.Away`."""
+        return once(self.store, what, op)
+
+    def shared(self, cmd: Shared | SendProbe | Heard, tried_once: bool = False) -> None:
+        """Carry out a command either core gives (the training core's: Redis `tried_once`)."""
         coord, store, jid = self.coord, self.store, self.jid
         if isinstance(cmd, Send):
             coord.send(cmd.device, cmd.msg)
         elif isinstance(cmd, SendProbe | Heard | Log):
             coord.carry_out(cmd)
         elif isinstance(cmd, Record):
-            self.record(cmd.state, **cmd.fields)
+            self.record(cmd.state, cmd.fields, tried_once)
         elif isinstance(cmd, StorePlan):
-            coord.durable("storing the plan", lambda: put_plan(store, jid, cmd.plan))
+            if tried_once:
+                self.once("storing the plan", lambda: put_plan(store, jid, cmd.plan))
+            else:
+                coord.durable("storing the plan", lambda: put_plan(store, jid, cmd.plan))
         else:
             coord.assigned = cmd.devices
 
@@ -211,34 +223,31 @@ class Effects:
         self,
         cmd: Publish | Append | CheckStore | CommitCheckpoint,
     ) -> None:
-        """Carry out a training command that answers nothing."""
-        coord, store, jid = self.coord, self.store, self.jid
+        """Carry out a training command that answers nothing (an outage raises `held.Away`)."""
+        store, jid = self.store, self.jid
         if isinstance(cmd, Publish):
             self._publish(cmd)
         elif isinstance(cmd, Append):
             maxlen = LEDGER_MAX if cmd.stream == "ledger" else STREAM_MAX
             entry = dict(cmd.entry)
-            coord.durable(cmd.what, lambda: store.append(cmd.stream, jid, entry, maxlen=maxlen))
+            self.once(cmd.what, lambda: store.append(cmd.stream, jid, entry, maxlen=maxlen))
         elif isinstance(cmd, CheckStore):
             # leaders write to Redis; they wait out an outage themselves, but none need start in one
-            coord.durable(cmd.what, store.probe)
+            self.once(cmd.what, store.probe)
         else:
             self._commit(cmd)
 
     def ask(
         self, cmd: RaiseEpoch | ReadCapacities | ReadCheckpoint
     ) -> EpochRaised | Capacities | CheckpointFound:
-        """Carry out a training command whose answer the core waits for."""
-        coord, store, jid = self.coord, self.store, self.jid
+        """Carry out a training command whose answer the core waits for (an outage raises)."""
+        store, jid = self.store, self.jid
         if isinstance(cmd, RaiseEpoch):
-            return EpochRaised(
-                coord.durable("raising the plan epoch", lambda: raise_plan_epoch(store))
-            )
+            return EpochRaised(self.once("raising the plan epoch", lambda: raise_plan_epoch(store)))
         if isinstance(cmd, ReadCapacities):
-            return Capacities(*coord.durable("reading the job's profiles", self.capacities))
-        return CheckpointFound(
-            coord.durable("finding the checkpoint", lambda: latest_round(store, jid))
-        )
+            return Capacities(*self.once("reading the job's profiles", self.capacities))
+        found = self.once("finding the checkpoint", lambda: latest_round(store, jid))
+        return CheckpointFound(found)
 
     def _commit(self, cmd: CommitCheckpoint) -> None:
         """Publish a checkpoint (every layer is written); a job's own one is an event too.
@@ -255,8 +264,7 @@ class Effects:
             store.wait_durable()
             prune_checkpoints(store, jid, self.job.keep_checkpoints)  # once the new one is durable
 
-        what = f"committing the checkpoint of round {cmd.round}"
-        self.coord.durable(what, commit)
+        self.once(f"committing the checkpoint of round {cmd.round}", commit)
 
     def capacities(
         self,
@@ -291,10 +299,11 @@ class Effects:
         return costs, speeds, memory
 
     def _publish(self, cmd: Publish) -> None:
-        """Update the job's hash and its metrics (and ledger) streams, waiting out an outage.
+        """Update the job's hash and its metrics (and ledger) streams; an outage raises.
 
         The job goes on only once all are written: a round is committed when Redis
-        says so, which is what makes an outage pause the job at a round boundary.
+        says so, which is what makes an outage pause the job at a round boundary
+        (the run holds what follows, `held.Held`).
         The metrics entry gets the wall-clock `time` of that commit (TensorBoard
         places the point there); with `metrics_dir`, the entry is copied to the
         job's files next.
@@ -311,6 +320,6 @@ class Effects:
             if cmd.ledger is not None:
                 store.wait_durable()  # a round is committed once Redis has it on disk
 
-        self.coord.durable(cmd.what, write)
+        self.once(cmd.what, write)
         if self.stream is not None:
             self.stream.record(metrics)

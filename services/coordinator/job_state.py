@@ -24,6 +24,7 @@ from services.coordinator.membership import Members, Probes, watchdog_s
 from services.coordinator.migration import Transfers
 from services.coordinator.recovery import MemoryInputs
 from services.coordinator.replicas import ReplicaBook
+from services.coordinator.store_outage import StoreBack, StoreDown
 
 __all__ = [
     "ENDED",
@@ -79,7 +80,7 @@ ENDED = ("finished", "failed", "cancelled")
 
 @dataclass(frozen=True)
 class Limits:
-    """The coordinator's settings that bound waits."""
+    """The coordinator's settings that bound waits, and the longest Redis outage a job rides out."""
 
     round_timeout_s: float
     heartbeat_deadline_s: float
@@ -87,6 +88,7 @@ class Limits:
     probe_timeout_s: float
     hung_min_s: float
     hung_factor: float
+    redis_outage_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,8 @@ class Run:
     outcome: str = ""
     """Why the job ended (failed or cancelled)."""
     step_t0: float = 0.0
+    outage: StoreDown | None = None
+    """Redis is away: the shell holds a write and what follows it (`outages`)."""
 
     @property
     def ended(self) -> bool:
@@ -277,6 +281,8 @@ Event = (
     | PlanReady
     | PlanFailed
     | CheckpointFound
+    | StoreDown
+    | StoreBack
 )
 
 

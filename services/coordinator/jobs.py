@@ -5,10 +5,12 @@ devices) is `prepare.apply`'s; from the assignment on, every decision is
 `driver.apply`'s (a re-plan it asks for runs the preparation core again, from
 the vetting of the devices it names). `JobRun` only feeds them events and
 carries their commands out (`job_effects`): it owns the coordinator's ROUTER
-(through `Host.events` and `send`), Redis (every write waits out an outage,
-`Host.durable`) and the clock. It records every lifecycle transition in Redis
-(`job:<id>` hash and the `events` stream) and every committed round in the
-`metrics` and `ledger` streams. Rounds are committed only when every device
+(through `Host.events` and `send`), Redis and the clock. A training step's
+Redis write never waits in place: an outage holds it and what follows it
+(`held.Held`) and is an event the training core decides on (`outages`); a
+preparation's waits it out (`Host.durable`). It records every lifecycle
+transition in Redis (`job:<id>` hash and the `events` stream) and every
+committed round in the `metrics` and `ledger` streams. Rounds are committed only when every device
 reported; a cancel takes effect at the next round boundary, so no half-applied
 round survives it.
 
@@ -20,8 +22,7 @@ says when it is over and `result()` gives its summary or raises what ended it.
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -39,7 +40,7 @@ from common.records.documents import read_plan
 from common.secrets import mask_text
 from common.store import OUTAGE
 from common.zoo import build_model
-from services.coordinator import driver, prepare
+from services.coordinator import driver, outages, prepare
 from services.coordinator.checks import CheckedJob
 from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick
 from services.coordinator.driver import (
@@ -60,6 +61,7 @@ from services.coordinator.driver import (
     SetAssigned,
     StorePlan,
 )
+from services.coordinator.held import Held
 from services.coordinator.host import Host
 from services.coordinator.job_effects import Effects, prep_limits
 from services.coordinator.metrics_stream import MetricsStream
@@ -101,7 +103,9 @@ class JobRun:
             self.stream = MetricsStream(
                 root, self.jid, partial(self.store.read, "metrics", self.jid)
             )
-        self.effects = Effects(coord, self.job, self.record, self.stream)
+        self.effects = Effects(coord, self.job, self.recorded, self.stream)
+        self.held: Held[Command] = Held(self._do, self._told, _passes)
+        """The training core's commands, held behind a Redis step an outage refused."""
         self.prep: Prep | None = None
         """The preparation under way: the job's start, or a re-plan the training core asked for."""
         self.train: Run | None = None
@@ -118,19 +122,29 @@ class JobRun:
     # --- lifecycle -------------------------------------------------------------
 
     def record(self, to: JobState, **extra: Any) -> None:
+        """Move to state `to` and write it to Redis (hash and events stream), waiting for Redis."""
+        self.recorded(to, extra, False)
+
+    def recorded(self, to: JobState, fields: Mapping[str, Any], tried_once: bool) -> None:
         """Move to state `to` and write it to Redis (hash and events stream).
 
-        A step of a live job waits for Redis (`durable`); an end state is written
-        as soon as Redis answers (`write_soon`), so an outage that ends the job
-        neither hides why nor leaves it `running`.
+        A step of a live job needs Redis: a preparation's waits an outage out
+        (`durable`), the training core's is `tried_once` (an outage raises, the
+        run holds it, and the state moves once it is written). An end state is
+        written as soon as Redis answers (`write_soon`), so an outage that ends
+        the job neither hides why nor leaves it `running`.
         """
-        self.state = advance(self.state, to)
-        log.info("job state", state=to, **extra)
-        write = partial(self.coord.write_state, self.jid, to, **extra)
+        state = advance(self.state, to)
+        write = partial(self.coord.write_state, self.jid, to, **fields)
+        what = f"recording job state {to}"
         if to in TERMINAL:
             self.coord.write_soon(f"job {self.jid} {to}", write)
+        elif tried_once:
+            self.effects.once(what, write)
         else:
-            self.coord.durable(f"recording job state {to}", write)
+            self.coord.durable(what, write)
+        self.state = state
+        log.info("job state", state=to, **fields)
 
     @property
     def ended(self) -> bool:
@@ -240,6 +254,9 @@ class JobRun:
         self._prepared(prep, cmds)
 
     def _feed(self, event: Event | Services) -> None:
+        if isinstance(event, Tick):  # Redis may be back: before the core judges the outage
+            self.held.tick()
+            self._settle()
         self._one(event)
         if not isinstance(event, Tick):
             return
@@ -350,6 +367,7 @@ class JobRun:
             probe_timeout_s=s.probe_timeout_s,
             hung_min_s=s.hung_min_s,
             hung_factor=s.hung_factor,
+            redis_outage_s=s.redis_outage_s,
         )
         costs, _, memory = coord.durable("reading the job's profiles", self.effects.capacities)
         run, commands = driver.start(
@@ -378,39 +396,58 @@ class JobRun:
         self._carry_out(commands)
 
     def _carry_out(self, commands: list[Command]) -> None:
-        """Do what the core asked, in order; feed back what a command answers.
+        """Do what the core asked, in order, or hold it behind a Redis outage; act on its end."""
+        self.held.carry_out(commands)
+        self._settle()
+
+    def _do(self, cmd: Command) -> Sequence[Command]:
+        """Carry out one command; the core's commands that answer it (they follow it at once).
 
         A command that answers (RaiseEpoch, ReadCapacities, ReadCheckpoint) is
         always the last of its list, so its answer's commands simply follow; a
         re-plan (RequestPlan, PlanAgain) is answered once its preparation ends.
+        A Redis step raises `held.Away` when Redis is away (`held.Held` holds it).
         """
-        todo = deque(commands)
-        while todo:
-            cmd = todo.popleft()
-            if isinstance(cmd, RequestPlan | PlanAgain):
-                self._replan(cmd)
-                continue
-            if isinstance(cmd, RaiseEpoch | ReadCapacities | ReadCheckpoint):
-                answer = self.effects.ask(cmd)
-                run = self.train
-                assert run is not None
-                run, more = driver.apply(run, answer, time.monotonic())
-                self.train = run
-                todo.extend(more)
-            elif isinstance(cmd, Send | SendProbe | Heard | Log | Record | StorePlan | SetAssigned):
-                self.effects.shared(cmd)
-            else:
-                self.effects.train(cmd)
+        if isinstance(cmd, RequestPlan | PlanAgain):
+            self._replan(cmd)
+        elif isinstance(cmd, RaiseEpoch | ReadCapacities | ReadCheckpoint):
+            return self._told(self.effects.ask(cmd))
+        elif isinstance(cmd, Send | SendProbe | Heard | Log | Record | StorePlan | SetAssigned):
+            self.effects.shared(cmd, tried_once=True)
+        else:
+            self.effects.train(cmd)
+        return []
+
+    def _told(self, event: Event) -> Sequence[Command]:
+        """Feed the training core an answer or Redis's coming and going; its commands."""
+        run = self.train
+        assert run is not None  # training started
+        run, commands = driver.apply(run, event, time.monotonic())
+        self.train = run
+        return commands
+
+    def _settle(self) -> None:
+        """End with the training core: failed or cancelled at once, finished once all is done.
+
+        A finished job's last commit may still be held behind a Redis outage.
+        """
         run = self.train
         if run is None:
             return
         bind_global(round=run.step, phase=run.phase)  # log lines name where the job is
-        if run.ended and not self.ended:
-            if run.phase == "cancelled":
-                raise JobCancelled(run.outcome)
-            if run.phase == "failed":
-                raise JobFailed(run.outcome)
+        if not run.ended or self.ended:
+            return
+        if run.phase == "cancelled":
+            raise JobCancelled(run.outcome)
+        if run.phase == "failed":
+            raise StoreUnavailable(run.outcome) if outages.gave_up(run) else JobFailed(run.outcome)
+        if self.held.idle:
             self._end(summary=JobSummary.of(self.jid, self.total, run.summary))
+
+
+def _passes(cmd: Command) -> bool:
+    """Commands that commit nothing (probe, count an answer, log): never held behind Redis."""
+    return isinstance(cmd, SendProbe | Heard | Log)
 
 
 _PREP_EVENTS = (Beats, Reply, ProbeAnswer, Tick, Cancelled, Services)

@@ -106,9 +106,10 @@ def _heartbeat(state: ClusterState, event: HeartbeatIn, now: float) -> Out:
     """
     hb, rules = event.hb, state.limits.rules
     members, verdict = admit(state.members, hb, now, rules, state.keep)
-    state = _count(replace(state, members=members), verdict)
+    counts = {**state.counts, verdict: state.counts[verdict] + 1}
     if verdict is Verdict.DROPPED:
-        if state.counts[verdict] > 1:
+        state = replace(state, counts=counts)
+        if counts[verdict] > 1:
             return state, []
         why = "dropped heartbeat of a new device: too many unassigned devices"
         fields = {"peer": hb.device, "expected": f"at most {rules.max_unassigned}"}
@@ -124,7 +125,7 @@ def _heartbeat(state: ClusterState, event: HeartbeatIn, now: float) -> Out:
         out.append(Log("warning", "worker runs another release than the coordinator", fields))
     if verdict is not Verdict.LIMITED:
         out.append(WriteDevice(hb, state.limits.record_ttl_s))
-    return replace(state, versions=versions), out
+    return replace(state, members=members, versions=versions, counts=counts), out
 
 
 def _probe_answer(state: ClusterState, event: ProbeAnswerIn, now: float) -> Out:

@@ -1,25 +1,26 @@
-"""The coordinator: registry, job queue, and the I/O a running job's core needs.
+"""The coordinator: the cluster, the job queue, and the I/O a running job's core needs.
 
-One thread, one ROUTER (`control`): `pump()` takes whatever arrived (heartbeats
-update the registry, hellos the service list, people's requests are answered at
-once by `clients`, everything else waits in the inbox of `waits`). A running job
-(`jobs.JobRun`) reads what arrived as events (`Waits.events`) and feeds them to
-its pure core (`driver.apply`), which decides every step, including when a worker
-that reports an error, is lost (its heartbeats stopped and it did not answer a
-probe) or hung (it heartbeats but makes no progress for longer than the
-watchdog) fails or recovers the job. `gather` waits for one step's replies
-outside a job by the same rules (`core.apply`).
+One thread, one ROUTER (`control`): `pump()` takes whatever arrived (the cluster's
+core takes heartbeats, hellos and people's requests, answered at once; everything
+else waits in the inbox of `waits`). A running job (`jobs.JobRun`) reads what
+arrived as events (`Waits.events`) and feeds them to its pure core
+(`driver.apply`), which decides every step, including when a worker that reports
+an error, is lost (its heartbeats stopped and it did not answer a probe) or hung
+(it heartbeats but makes no progress for longer than the watchdog) fails or
+recovers the job. `gather` waits for one step's replies outside a job by the
+same rules (`core.apply`).
 
 The pieces live in their own modules: `control` (the socket and who may send
-what), `registry` (devices and services), `clients` (people's requests),
-`writes` (Redis through an outage), `waits` (the waits outside a job's core),
-`job_records` (a job's record in Redis); this class wires them together and runs
-jobs one after another (`serve`).
+what), `cluster_shell` (devices, services and people's requests, decided by
+the pure `cluster` core), `writes` (Redis through an outage), `waits` (the
+waits outside a job's core), `job_records` (a job's record in Redis); this
+class wires them together and runs jobs one after another (`serve`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -52,14 +53,16 @@ from common.store import Store
 from services.coordinator import job_records
 from services.coordinator.active import A, Active, Crashed, Run, job_of
 from services.coordinator.checks import CheckedJob, check_job
-from services.coordinator.clients import Clients, Slot
+from services.coordinator.cluster_shell import Cluster, StateField
+from services.coordinator.cluster_state import HeartbeatIn, HelloIn, ProbeAnswerIn, Queued, Sweep
 from services.coordinator.control import PUMP_MAX_MESSAGES, ControlSocket, role_refusal
+from services.coordinator.fair_queue import FairQueue
 from services.coordinator.federated import FederatedRun
+from services.coordinator.infer_requests import PendingRequest
 from services.coordinator.jobs import JobRun
-from services.coordinator.membership import Members, Probes
+from services.coordinator.membership import Members, Probes, Verdict
 from services.coordinator.model_probe import probe_limits
 from services.coordinator.outcomes import JobCancelled, JobFailed, JobSummary
-from services.coordinator.registry import Registry
 from services.coordinator.serving import ServeRun
 from services.coordinator.waits import Waits
 from services.coordinator.writes import Writes
@@ -90,19 +93,9 @@ class Coordinator:
         self.endpoint = self.control.endpoint
         self.store = Store(settings.redis_url, settings.cluster)
         self.writes = Writes(self.store, settings.redis_outage_s, idle=self._idle)
-        self.registry = Registry(settings, self.store, self.writes)
-        self.slot = Slot()
-        self.clients = Clients(settings, self.store, self.writes, self.slot, self.control.send)
-        self.waits = Waits(
-            settings,
-            self.store,
-            self.control,
-            self.registry,
-            self.writes,
-            self.clients,
-            self.slot,
-            self.pump,
-        )
+        self.cluster = Cluster(settings, self.store, self.writes, self.control.send)
+        """The cluster's core (members, services, the queue, people's requests) and its shell."""
+        self.waits = Waits(settings, self.store, self.control, self.cluster, self.writes, self.pump)
         self.active: Active | None = None
         """The running job's run, which the loop steps (`_loop`); None between jobs."""
         self.stopping: str | None = None
@@ -114,7 +107,6 @@ class Coordinator:
         self.send = self.control.send
         self.durable = self.writes.durable
         self.write_soon = self.writes.write_soon
-        self.submit = self.clients.submit
         self.check_cancelled = self.waits.check_cancelled
         self.wait_for_devices = self.waits.wait_for_devices
         self.alive = self.waits.alive
@@ -123,58 +115,33 @@ class Coordinator:
         self.carry_out = self.waits.carry_out
         self.gather = self.waits.gather
         self.request_plan = self.waits.request_plan
-        self.queue, self.infer_queue = self.clients.queue, self.clients.infer_queue
-        self.cancelled, self.drains = self.clients.cancelled, self.clients.drains
         self.inbox, self.replica_news = self.waits.inbox, self.waits.replica_news
-        self.services, self.routes = self.registry.services, self.control.routes
-        self.heartbeat_counts = self.registry.heartbeat_counts
+        self.routes = self.control.routes
 
-    # --- state the runs and the tests read and set --------------------------------
+    # --- state the runs and the tests read and set: the cluster core's -------------
 
-    @property
-    def members(self) -> Members:
-        """Devices heard from (`registry`)."""
-        return self.registry.members
-
-    @members.setter
-    def members(self, members: Members) -> None:
-        self.registry.members = members
-
-    @property
-    def probes(self) -> Probes:
-        """Probes sent to suspects and not answered yet (`registry`)."""
-        return self.registry.probes
-
-    @probes.setter
-    def probes(self, probes: Probes) -> None:
-        self.registry.probes = probes
-
-    @property
-    def running(self) -> str | None:
-        """The job running now, if any."""
-        return self.slot.running
-
-    @running.setter
-    def running(self, jid: str | None) -> None:
-        self.slot.running = jid
-
-    @property
-    def federated(self) -> str | None:
-        """The federated job whose pieces run now, if any."""
-        return self.slot.federated
-
-    @federated.setter
-    def federated(self, jid: str | None) -> None:
-        self.slot.federated = jid
-
-    @property
-    def assigned(self) -> frozenset[DeviceId]:
-        """Devices the running job's plan names."""
-        return self.slot.assigned
-
-    @assigned.setter
-    def assigned(self, devices: frozenset[DeviceId]) -> None:
-        self.slot.assigned = devices
+    members: StateField[Members] = StateField()
+    """Devices heard from."""
+    probes: StateField[Probes] = StateField()
+    """Probes sent to suspects and not answered yet."""
+    running: StateField[str | None] = StateField()
+    """The job running now, if any."""
+    federated: StateField[str | None] = StateField()
+    """The federated job whose pieces run now, if any."""
+    assigned: StateField[frozenset[DeviceId]] = StateField()
+    """Devices the running job's plan names."""
+    services: StateField[dict[str, float]] = StateField()
+    """Services heard from, and when they last said hello (monotonic seconds)."""
+    queue: StateField[deque[Queued]] = StateField()
+    """Jobs waiting to run, in arrival order (the loop takes the next from it)."""
+    infer_queue: StateField[FairQueue[PendingRequest]] = StateField()
+    """Inference requests for the running serving job (its run takes them from it)."""
+    cancelled: StateField[dict[str, str]] = StateField()
+    """Jobs under way someone cancelled, and why (the job takes it at its next step)."""
+    drains: StateField[dict[DeviceId, str]] = StateField()
+    """Devices of the running job to drain, and why (the job takes them)."""
+    heartbeat_counts: StateField[dict[Verdict | str, int]] = StateField("counts")
+    """Heartbeats by what became of them, devices forgotten, device writes missed."""
 
     @property
     def collecting(self) -> bool:
@@ -230,25 +197,25 @@ class Coordinator:
             self._dispatch(peer, msg)
         now = time.monotonic()
         self.writes.flush(now)
-        self.registry.sweep(now, self.slot.keep())
+        self.cluster.feed(Sweep(), now)
 
     def _dispatch(self, peer: DeviceId, msg: Message) -> None:
         """Hand an admitted message to whoever takes it; replies go to the inbox."""
         if isinstance(msg, Heartbeat):
-            self.registry.heartbeat(msg, time.monotonic(), self.slot.keep())
+            self.cluster.feed(HeartbeatIn(msg), time.monotonic())
         elif isinstance(msg, LocateRedis):  # no secret in the answer: any key may ask
             self.send(peer, location_of(self.settings.redis_url, self.settings.cluster, msg.nonce))
         elif isinstance(msg, ProbeReply):
             if self.collecting:  # a wait or a job judges it, in order with the replies
                 self.inbox.append((msg.device, msg))
             else:
-                self.registry.probe_answered(msg.device, msg.nonce, time.monotonic())
+                self.cluster.feed(ProbeAnswerIn(msg.device, msg.nonce), time.monotonic())
         elif isinstance(msg, ReplicaSaved):
             self.replica_news.append(msg)  # the running job checks it against its plan
         elif isinstance(msg, ServiceHello):
-            self.registry.hello(msg, peer, time.monotonic())
+            self.cluster.feed(HelloIn(msg.service, peer), time.monotonic())
         elif isinstance(msg, SubmitJob | CancelJob | DrainDevice | ServeModel | InferRequest):
-            self.clients.handle(peer, msg)
+            self.cluster.request(peer, msg, time.monotonic())
         elif isinstance(msg, LinksMeasured):
             self._links_measured(msg)
         else:

@@ -29,7 +29,7 @@ from common.profile import ClusterSpec
 from common.records.documents import put_plan
 from common.settings import CoordinatorSettings
 from common.store import Store
-from services.coordinator.clients import Clients, Slot
+from services.coordinator.cluster_shell import Cluster
 from services.coordinator.control import ControlSocket
 from services.coordinator.core import (
     Beats,
@@ -48,7 +48,6 @@ from services.coordinator.core import (
 )
 from services.coordinator.membership import Members, heard
 from services.coordinator.outcomes import DeviceLost, JobCancelled, JobFailed
-from services.coordinator.registry import Registry
 from services.coordinator.writes import Writes
 
 __all__ = ["PLANNER", "REPLICA_NEWS_MAX", "Waits"]
@@ -67,14 +66,12 @@ class Waits:
         settings: CoordinatorSettings,
         store: Store,
         control: ControlSocket,
-        registry: Registry,
+        cluster: Cluster,
         writes: Writes,
-        clients: Clients,
-        slot: Slot,
         pump: Callable[[float], None],
     ) -> None:
-        self.settings, self.store, self.control, self.registry = settings, store, control, registry
-        self.writes, self.clients, self.slot, self.pump = writes, clients, slot, pump
+        self.settings, self.store, self.control, self.cluster = settings, store, control, cluster
+        self.writes, self.pump = writes, pump
         self.inbox: deque[tuple[DeviceId, Message]] = deque()
         """Replies no request handler took, in arrival order, for the wait or job reading them."""
         self.replica_news: deque[ReplicaSaved] = deque(maxlen=REPLICA_NEWS_MAX)
@@ -87,7 +84,7 @@ class Waits:
 
     def check_cancelled(self, jid: str) -> None:
         """Raise JobCancelled if someone cancelled job `jid`."""
-        reason = self.clients.cancelled.pop(jid, None)
+        reason = self.cluster.take_cancel(jid)
         if reason is not None:
             raise JobCancelled(reason)
 
@@ -97,19 +94,19 @@ class Waits:
         `devices` are the running job's: from now on they are exempt from
         expiry and from the cap on unassigned devices.
         """
-        self.slot.assigned = frozenset(devices)
+        self.cluster.set(assigned=frozenset(devices))
         deadline = time.monotonic() + timeout_s
-        while missing := [d for d in devices if d not in self.registry.members]:
+        while missing := [d for d in devices if d not in self.cluster.state.members]:
             if time.monotonic() > deadline:
                 raise JobFailed(
                     f"workers {missing} did not join within {timeout_s:g} s "
-                    f"(joined: {sorted(self.registry.members)})"
+                    f"(joined: {sorted(self.cluster.state.members)})"
                 )
             self.pump(0.1)
 
     def alive(self) -> Members:
         """Workers whose heartbeats are current."""
-        return self.registry.alive(time.monotonic())
+        return self.cluster.alive(time.monotonic())
 
     def cluster_base(self) -> ClusterSpec | None:
         """The cluster spec file given with --cluster-spec, if any."""
@@ -138,8 +135,8 @@ class Waits:
                 if peer == service and match(got):
                     return got
                 self.inbox.append((peer, got))
-            if self.slot.running:
-                self.check_cancelled(self.slot.running)
+            if self.cluster.state.running:
+                self.check_cancelled(self.cluster.state.running)
             if time.monotonic() > deadline:
                 raise JobFailed(f"{service} did not send the {what} within {timeout_s:g} s")
             self.pump(0.1)
@@ -154,7 +151,7 @@ class Waits:
         they read events, so that probe answers come this way too.
         """
         self.pump(poll_s)
-        yield Beats(self.registry.members)
+        yield Beats(self.cluster.state.members)
         while self.replica_news:
             news = self.replica_news.popleft()
             yield Reply(news.device, news)
@@ -174,7 +171,7 @@ class Waits:
             )
             self.control.send(cmd.device, Probe(nonce=cmd.nonce))
         elif isinstance(cmd, Heard):
-            self.registry.members = heard(self.registry.members, cmd.device, cmd.at)
+            self.cluster.set(members=heard(self.cluster.state.members, cmd.device, cmd.at))
         else:
             getattr(log, cmd.level)(cmd.event, **cmd.fields)
 
@@ -210,8 +207,8 @@ class Waits:
             s.heartbeat_s * s.heartbeat_misses,
             s.probe_timeout_s,
             watchdog_s,
-            self.registry.members,
-            self.registry.probes,
+            self.cluster.state.members,
+            self.cluster.state.probes,
             self._next_nonce,
         )
         self.collecting = True
@@ -219,7 +216,8 @@ class Waits:
             while not wait.done:
                 for event in self.events():
                     wait, commands = apply(wait, event, time.monotonic())
-                    self.registry.probes, self._next_nonce = wait.probes, wait.next_nonce
+                    self.cluster.set(probes=wait.probes)
+                    self._next_nonce = wait.next_nonce
                     for cmd in commands:
                         if isinstance(cmd, Lost):
                             raise DeviceLost(cmd.devices, cmd.reason)
@@ -241,14 +239,14 @@ class Waits:
     def request_scored_plan(self, req: PlanRequest, timeout_s: float) -> tuple[Plan, float]:
         """`request_plan`, and the planner's prediction of `req.current` (0: none)."""
         deadline = time.monotonic() + timeout_s
-        while PLANNER not in self.registry.services:
+        while PLANNER not in self.cluster.state.services:
             if time.monotonic() > deadline:
                 raise JobFailed(
                     f"no planner service joined within {timeout_s:g} s (start asteroid-planner "
                     f"with --coordinator {self.control.endpoint})"
                 )
-            if self.slot.running:
-                self.check_cancelled(self.slot.running)
+            if self.cluster.state.running:
+                self.check_cancelled(self.cluster.state.running)
             self.pump(0.1)
         reply: PlanReply = self.request(
             PLANNER,

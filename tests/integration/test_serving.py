@@ -107,7 +107,13 @@ def serving(tmp_path, redis_url, cluster_name) -> Iterator[Serving]:
     try:
         cluster.start_workers(WORKERS)
         coord.wait_for_devices([*WORKERS], 60)  # type: ignore[list-item]
-        yield Serving(cluster, coord)
+        serving = Serving(cluster, coord)
+        yield serving
+        if serving.thread is not None and serving.thread.is_alive():
+            # a test failed mid-serve: the loop stops at its next turn, before the socket
+            # is used from this thread (two threads on one ZeroMQ socket crash)
+            coord.stop("test over")
+            serving.thread.join(30)
         coord.shutdown_workers("test over")
         cluster.wait_workers_exit(30)
     finally:

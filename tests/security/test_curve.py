@@ -298,15 +298,17 @@ def test_coordinator_takes_each_message_only_from_its_role(
         reasons = [
             e["reason"] for e in logs if e["event"] == "dropped message outside its key's role"
         ]
-        assert reasons == [
-            "cancel_job from worker key 'worker:w1': expected a key of role operator",
+        cancel = "cancel_job from worker key 'worker:w1': expected a key of role operator"
+        # two connections: which one's message the ROUTER reads first is not defined
+        assert sorted(reasons) == [
+            cancel,
             "heartbeat from operator key 'operator:alice': expected a key of role worker",
         ]
         assert coord.members == {}
         # the cancel was never looked at; its sender is told why
         _, env = recv_message(worker, Limits())
         assert isinstance(env.msg, JobReply) and not env.msg.ok
-        assert env.msg.error == reasons[0]
+        assert env.msg.error == cancel
         # the right roles get through
         operator.send_multipart(encode(CancelJob(job_id="job-1"), "alice"))
         worker.send_multipart(encode(Heartbeat(device="w1", data_addr="tcp://x:1"), "w1"))

@@ -24,6 +24,7 @@ __all__ = [
     "StoreError",
     "StoreRefused",
     "StoreUnavailable",
+    "unreachable_for",
     "validation_message",
 ]
 
@@ -82,6 +83,18 @@ class StoreError(AsteroidError):
 
 class StoreUnavailable(StoreError):
     """Redis stayed unreachable for longer than the service was configured to wait."""
+
+
+def unreachable_for(where: str, waited_s: float, what: str, patience_s: float, error: str) -> str:
+    """Why a step gave up on Redis: where, how long, doing what, and Redis's last error.
+
+    One wording for the store's own wait (`Store.ride_out`) and a job core's
+    (`services.coordinator.store_outage`), so a person sees the same sentence.
+    """
+    return (
+        f"Redis at {where} unreachable for {waited_s:.1f} s while {what} "
+        f"(patience {patience_s:g} s): {error}"
+    )
 
 
 class StoreRefused(StoreError):

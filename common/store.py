@@ -27,7 +27,13 @@ from typing import Any, TypeVar, cast
 
 import redis
 
-from common.errors import ConfigError, StoreError, StoreRefused, StoreUnavailable
+from common.errors import (
+    ConfigError,
+    StoreError,
+    StoreRefused,
+    StoreUnavailable,
+    unreachable_for,
+)
 from common.logging import get_logger
 from common.secrets import mask_text, mask_url, remember_url
 
@@ -122,10 +128,9 @@ class Store:
                         error=mask_text(str(exc)),
                     )
                 if now - began >= patience_s:
-                    raise StoreUnavailable(
-                        f"Redis at {self.where} unreachable for {now - began:.1f} s while "
-                        f"{what} (patience {patience_s:g} s): {mask_text(str(exc))}"
-                    ) from exc
+                    error = mask_text(str(exc))
+                    why = unreachable_for(self.where, now - began, what, patience_s, error)
+                    raise StoreUnavailable(why) from exc
                 idle(min(delay, max(0.0, began + patience_s - now)))
                 delay = min(2 * delay, 2.0)
                 continue

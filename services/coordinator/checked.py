@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from common.job import JobSpec
 
-__all__ = ["CheckedJob"]
+__all__ = ["CheckedJob", "id_taken"]
 
 
 @dataclass(frozen=True)
@@ -50,3 +50,11 @@ class CheckedJob:
         return CheckedJob(
             spec, spec.total_rounds(self.train_size), self.train_size, self.eval_size, self.layers
         )
+
+
+def id_taken(jid: str, held: str, how: str) -> str:
+    """Why job id `jid` is refused: Redis holds an earlier run (`held`); `how` replaces it."""
+    return (
+        f"job_id: job {jid} exists ({held}); pick another job_id, or {how} to "
+        "delete its checkpoints and metrics and start afresh"
+    )

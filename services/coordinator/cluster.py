@@ -19,7 +19,7 @@ from common.ids import DeviceId
 from common.lifecycle import ACTIVE
 from common.messages import JobReply
 from common.serving_messages import InferReply
-from services.coordinator.checked import CheckedJob
+from services.coordinator.checked import CheckedJob, id_taken
 from services.coordinator.cluster_state import (
     CancelIn,
     CheckJob,
@@ -201,10 +201,7 @@ def _submission(state: ClusterState, event: SubmitIn | JobChecked | ServeIn | Se
         error = f"job_id: job {jid} is already {event.state or 'queued'}"
         return state, [_refuse(event.peer, jid, error)]
     if event.held and not event.replace:
-        error = (
-            f"job_id: job {jid} exists ({event.held}); pick another job_id, or submit with "
-            "--replace to delete its checkpoints and metrics and start afresh"
-        )
+        error = id_taken(jid, event.held, "submit with --replace")
         return state, [_refuse(event.peer, jid, error)]
     return state, [RegisterJob(event.peer, event.checked, forget_old=event.replace)]
 

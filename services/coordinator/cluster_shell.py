@@ -25,7 +25,7 @@ from common.logging import get_logger
 from common.messages import CancelJob, DrainDevice, Message, SubmitJob
 from common.records.devices import forget_devices, write_device
 from common.records.documents import put_jobspec
-from common.records.jobs import index_job, job_state, write_job
+from common.records.jobs import index_job, job_state, write_job, write_job_state
 from common.secrets import mask_text
 from common.serving_messages import InferRequest, ServeModel
 from common.settings import CoordinatorSettings
@@ -190,9 +190,7 @@ class Cluster:
                 "forget silent devices", lambda: forget_devices(self.store, gone)
             )
         elif isinstance(cmd, WriteState):
-            write = partial(
-                job_records.write_state, self.store, cmd.job_id, cmd.state, **cmd.fields
-            )
+            write = partial(write_job_state, self.store, cmd.job_id, cmd.state, **cmd.fields)
             self.writes.write_soon(f"job {cmd.job_id} {cmd.state}", write)
         elif isinstance(cmd, LookUpJob):
             try:

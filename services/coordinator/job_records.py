@@ -7,23 +7,17 @@ one place that writes it (and decides whether an id may be used again).
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from common.checkpoint import latest_round
 from common.errors import ConfigError
 from common.job import check_job_id
 from common.records.documents import put_jobspec, read_jobspec
 from common.records.events import append_event
-from common.records.jobs import forget_job, index_job, job_state, write_job, write_job_state
+from common.records.jobs import forget_job, index_job, job_state, write_job
 from common.store import Store
-from services.coordinator.checks import CheckedJob
+from services.coordinator.checked import CheckedJob, id_taken
 
-__all__ = ["check_fresh", "check_resumable", "existing", "register", "write_state"]
-
-
-def write_state(store: Store, jid: str, state: str, **extra: Any) -> None:
-    """Write a job's state: its hash and its events stream."""
-    write_job_state(store, jid, state, **extra)
+__all__ = ["check_fresh", "check_resumable", "existing", "register"]
 
 
 def register(store: Store, checked: CheckedJob, forget_old: bool = False) -> None:
@@ -61,10 +55,7 @@ def check_fresh(store: Store, jid: str, replace: bool, how: str) -> None:
     """Refuse to reuse job id `jid` when it has state, unless the operator said `replace`."""
     state = existing(store, jid)
     if state and not replace:
-        raise ConfigError(
-            f"job_id: job {jid} exists ({state}); pick another job_id, or {how} to "
-            "delete its checkpoints and metrics and start afresh"
-        )
+        raise ConfigError(id_taken(jid, state, how))
 
 
 def check_resumable(store: Store, jid: str, total: int) -> None:

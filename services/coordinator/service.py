@@ -45,7 +45,7 @@ from common.messages import (
 )
 from common.plan import Plan
 from common.records.counters import raise_fence
-from common.records.jobs import read_job
+from common.records.jobs import read_job, write_job_state
 from common.secrets import mask_text
 from common.serving_messages import InferRequest, ServeModel, ServeSpec
 from common.settings import CoordinatorSettings
@@ -244,7 +244,7 @@ class Coordinator:
 
     def write_state(self, jid: str, state: str, **extra: Any) -> None:
         """Write a job's state: its hash and its events stream."""
-        job_records.write_state(self.store, jid, state, **extra)
+        write_job_state(self.store, jid, state, **extra)
 
     def register(self, checked: CheckedJob, forget_old: bool = False) -> None:
         """Record the job as submitted; with `forget_old`, delete an earlier run of this id."""
@@ -377,7 +377,7 @@ class Coordinator:
             error = f"job {jid} crashed in the coordinator: {mask_text(repr(exc))}"
             self.write_soon(
                 f"job {jid} failed",
-                partial(job_records.write_state, self.store, jid, "failed", error=error),
+                partial(write_job_state, self.store, jid, "failed", error=error),
             )
             self.running, self.federated, self.collecting = None, None, False
             self.assigned = frozenset()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.errors import unreachable_for
+
 __all__ = ["StoreBack", "StoreDown", "unreachable"]
 
 
@@ -35,7 +37,4 @@ class StoreBack:
 
 def unreachable(down: StoreDown, now: float, patience_s: float) -> str:
     """Why a job fails when Redis stayed away past `patience_s`, as `Store.ride_out` words it."""
-    return (
-        f"Redis at {down.where} unreachable for {now - down.since:.1f} s while "
-        f"{down.what} (patience {patience_s:g} s): {down.error}"
-    )
+    return unreachable_for(down.where, now - down.since, down.what, patience_s, down.error)

@@ -48,12 +48,12 @@ from services.coordinator.core import (
 )
 from services.coordinator.membership import Members, heard
 from services.coordinator.outcomes import DeviceLost, JobCancelled, JobFailed
+from services.coordinator.prepare_steps import PLANNER
 from services.coordinator.writes import Writes
 
-__all__ = ["PLANNER", "REPLICA_NEWS_MAX", "Waits"]
+__all__ = ["REPLICA_NEWS_MAX", "Waits"]
 
 log = get_logger(__name__)
-PLANNER = "planner"
 REPLICA_NEWS_MAX = 1_000
 """Replica reports kept for the running job between two rounds."""
 

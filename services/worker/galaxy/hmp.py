@@ -21,7 +21,7 @@ runs its connective blocks on the device planned for the most rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +31,7 @@ from torch import Tensor
 from common.errors import ConfigError
 from common.galaxy.config import TransformerConfig
 from services.lib.galaxy import blocks, model
+from services.lib.galaxy.sampling import GREEDY, Sampler
 from services.worker.galaxy.collectives import (
     DEFAULT_TIMEOUT_S,
     all_gather,
@@ -316,12 +317,20 @@ def generate(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     sharded: bool = False,
     on_prompt: Callable[[Tensor], None] | None = None,
+    sampler: Sampler = GREEDY,
+    stop: Collection[int] = (),
+    on_token: Callable[[int], None] | None = None,
 ) -> list[int]:
-    """Greedy decoding on this device with its KV cache; every device returns the same tokens.
+    """Decoding on this device with its KV cache; every device returns the same tokens.
 
-    `on_prompt` receives the prompt's logits (the first step's output), so a
-    caller that wants both pays for the prompt once. A local layout (no ring)
-    decodes on this device alone.
+    `sampler` picks each token (greedy by default) from logits that are equal on
+    every device, so the devices agree without a message. Generation ends after
+    `new_tokens` tokens or at the first token in `stop`, which is left out of
+    the result (`sampling.finish_reason` tells the two apart). `on_token`
+    receives each token kept as it is chosen (for streaming); `on_prompt`
+    receives the prompt's logits (the first step's output), so a caller that
+    wants both pays for the prompt once. A local layout (no ring) decodes on
+    this device alone.
 
     Raises:
         ConfigError: For an encoder, `new_tokens < 0`, or a layout that does not fit.
@@ -332,6 +341,7 @@ def generate(
         raise ConfigError(f"new_tokens must be >= 0, got {new_tokens}")
     rank = ring.rank if ring is not None else 0
     cache = new_cache(layout, rank, config)
+    stops = frozenset(stop)
     out: list[int] = []
     feed = ids
     with torch.no_grad():
@@ -341,7 +351,13 @@ def generate(
             )
             if step == 0 and on_prompt is not None:
                 on_prompt(logits)
-            if step < new_tokens:
-                out.append(int(logits[-1].argmax()))
-                feed = torch.tensor([out[-1]], dtype=ids.dtype, device=ids.device)
+            if step >= new_tokens:
+                break
+            token = sampler(logits[-1], step)
+            if token in stops:  # every device sees the same token, so all stop here
+                break
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            feed = torch.tensor([token], dtype=ids.dtype, device=ids.device)
     return out

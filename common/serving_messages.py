@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from common.galaxy.config import TransformerConfig
+from common.galaxy.config import MAX_ROPE_THETA, TransformerConfig
 from common.galaxy.plan import InferencePlan
 from common.galaxy.profile import BlockProfile
 from common.ids import DeviceId, JobId
@@ -67,6 +67,17 @@ class TransformerShape(WireModel):
     max_positions: int = Field(ge=1, le=MAX_PROMPT_TOKENS)
     ln_eps: float = Field(1e-12, gt=0.0, le=0.1)
     num_classes: int = Field(0, ge=0, le=100_000)
+    kv_heads: int | None = Field(
+        None, ge=1, le=256, description="Key/value heads (GQA when fewer than heads)."
+    )
+    norm: Literal["layer", "rms"] = "layer"
+    positions: Literal["absolute", "rope"] = "absolute"
+    rope_theta: float = Field(10000.0, gt=0.0, le=MAX_ROPE_THETA)
+    mlp: Literal["gelu", "gelu_tanh", "swiglu"] | None = None
+    qkv_bias: bool = True
+    o_bias: bool = True
+    mlp_bias: bool = True
+    tied_head: bool = True
 
     def config(self) -> TransformerConfig:
         """The shape as the executor's config; ConfigError if it cannot be split by heads."""

@@ -28,7 +28,9 @@ from common.profile import ClusterSpec
 from common.serving_messages import (
     BlocksProfiled,
     HmpTile,
+    InferChunk,
     InferenceDone,
+    InferenceProgress,
     InferReply,
     InferRequest,
     LoadShard,
@@ -741,12 +743,14 @@ Message = Annotated[
     | ServeModel
     | InferRequest
     | InferReply
+    | InferChunk
     | ProfileBlocks
     | LoadShard
     | RunInference
     | BlocksProfiled
     | ShardLoaded
     | InferenceDone
+    | InferenceProgress
     | HmpTile
     | JoinFederation
     | FetchModel

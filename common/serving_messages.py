@@ -26,14 +26,19 @@ from common.message_base import WireModel
 __all__ = [
     "MAX_NEW_TOKENS",
     "MAX_PROMPT_TOKENS",
+    "MAX_STOP_IDS",
+    "MAX_TEMPERATURE",
     "BlocksProfiled",
     "HmpTile",
+    "InferChunk",
     "InferReply",
     "InferRequest",
     "InferenceDone",
+    "InferenceProgress",
     "LoadShard",
     "ProfileBlocks",
     "RunInference",
+    "Sampling",
     "ServeModel",
     "ServeSpec",
     "ShardLoaded",
@@ -44,6 +49,10 @@ MAX_PROMPT_TOKENS = 8192
 """Longest prompt a request may carry (also the longest position table a model may have)."""
 MAX_NEW_TOKENS = 1024
 """Most tokens one request may ask to generate."""
+MAX_STOP_IDS = 16
+"""Most stop token ids one request may name."""
+MAX_TEMPERATURE = 2.0
+"""The highest sampling temperature (OpenAI's bound)."""
 MAX_WAIT_S = 3600.0
 """Longest a request may ask to wait for its turn."""
 MAX_OUTPUT = 100_000
@@ -132,6 +141,32 @@ class ServeSpec(WireModel):
         return self
 
 
+class Sampling(WireModel):
+    """How a decoder picks each generated token, and when it stops; shared by the requests.
+
+    Temperature 0 is greedy (the most likely token); above it, tokens are drawn
+    from the top-p nucleus of softmax(logits / temperature) with a generator
+    seeded from `seed` and the step, so the same request gives the same tokens.
+    A token in `stop` ends the generation and is left out of it.
+    """
+
+    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="0: greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass to sample from.")
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    stop: list[int] = Field(
+        default_factory=list,
+        max_length=MAX_STOP_IDS,
+        description="Token ids that end generation (EOS), left out of the output.",
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _ids(cls, stop: list[int]) -> list[int]:
+        if any(not 0 <= t < 1_000_000 for t in stop):
+            raise ValueError(f"stop ids must be in [0, 1000000), got {stop}")
+        return stop
+
+
 # --- operator -> coordinator -------------------------------------------------
 
 
@@ -142,8 +177,12 @@ class ServeModel(WireModel):
     spec: ServeSpec
 
 
-class InferRequest(WireModel):
-    """One inference: token ids in; logits, and generated tokens if asked, out."""
+class InferRequest(Sampling):
+    """One inference: token ids in; logits, and generated tokens if asked, out.
+
+    With `stream`, the requester also gets the tokens as they are generated
+    (`InferChunk`s, in order) before the final `InferReply`, which has them all.
+    """
 
     type: Literal["infer_request"] = "infer_request"
     serve_id: JobId = Field(pattern=JOB_ID_PATTERN)
@@ -157,6 +196,7 @@ class InferRequest(WireModel):
         description="Longest the requester waits for its turn: past it, the request is "
         "answered with how long it waited instead of being run.",
     )
+    stream: bool = Field(False, description="Send InferChunks while generating.")
 
 
 # --- coordinator -> operator -------------------------------------------------
@@ -179,6 +219,18 @@ class InferReply(WireModel):
     )
     latency_s: float = 0.0
     queued_s: float = 0.0
+    finish_reason: Literal["stop", "length"] = Field(
+        "length", description="`stop`: a stop token came (left out); `length`: new_tokens spent."
+    )
+
+
+class InferChunk(WireModel):
+    """Tokens of a streamed request (`InferRequest.stream`) generated since the last chunk."""
+
+    type: Literal["infer_chunk"] = "infer_chunk"
+    serve_id: str
+    request: int
+    tokens: list[int] = Field(max_length=MAX_NEW_TOKENS)
 
 
 # --- coordinator -> worker ---------------------------------------------------
@@ -212,8 +264,11 @@ class LoadShard(WireModel):
     )
 
 
-class RunInference(WireModel):
-    """Run request `round` on the loaded shard, with the ring's other devices."""
+class RunInference(Sampling):
+    """Run request `round` on the loaded shard, with the ring's other devices.
+
+    The ring's first device reports the tokens as they come (`InferenceProgress`).
+    """
 
     type: Literal["run_inference"] = "run_inference"
     serve_id: JobId = Field(pattern=JOB_ID_PATTERN)
@@ -269,6 +324,17 @@ class InferenceDone(WireModel):
     tokens: list[int] = Field(default_factory=list, max_length=MAX_NEW_TOKENS)
     logits: list[float] = Field(default_factory=list, max_length=MAX_OUTPUT)
     compute_s: float = Field(ge=0.0)
+
+
+class InferenceProgress(WireModel):
+    """Tokens the ring's first device generated for request `round` since its last report."""
+
+    type: Literal["inference_progress"] = "inference_progress"
+    device: DeviceId
+    serve_id: str
+    epoch: int
+    round: int
+    tokens: list[int] = Field(min_length=1, max_length=MAX_NEW_TOKENS)
 
 
 # --- data plane: worker -> worker ---------------------------------------------

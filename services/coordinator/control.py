@@ -66,6 +66,7 @@ SENDER_ROLES = {
     "blocks_profiled": "worker",
     "shard_loaded": "worker",
     "inference_done": "worker",
+    "inference_progress": "worker",
     "service_hello": "service",
     "plan_reply": "service",
     "profile_reply": "service",

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from common.errors import ConfigError
+from common.serving_messages import MAX_TEMPERATURE
 
 __all__ = [
     "GREEDY",
@@ -37,8 +38,6 @@ __all__ = [
     "uniform",
 ]
 
-MAX_TEMPERATURE = 2.0
-"""The highest temperature accepted (OpenAI's bound)."""
 _SEED_MIX = 1_000_003
 """Spreads (seed, step) pairs over the generator's seeds without collisions for small steps."""
 

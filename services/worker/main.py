@@ -268,7 +268,7 @@ class Worker:
             elif isinstance(msg, LoadShard):
                 self.control.send(self.serving.load(msg))
             elif isinstance(msg, RunInference):
-                done = self.serving.run(msg)
+                done = self.serving.run(msg, self.control.send)
                 if done is not None:
                     self.control.send(done)
             elif isinstance(msg, Shutdown):

@@ -30,6 +30,7 @@ from common.serving_messages import (
     BlocksProfiled,
     HmpTile,
     InferenceDone,
+    InferenceProgress,
     LoadShard,
     ProfileBlocks,
     RunInference,
@@ -37,15 +38,63 @@ from common.serving_messages import (
 )
 from common.store import Store
 from services.lib.galaxy import sources
+from services.lib.galaxy.sampling import Sampler
 from services.worker.galaxy import hmp
 from services.worker.galaxy.profiling import profile_blocks
 from services.worker.tiles import Expecting, TileInbox, ZmqRing
 from services.worker.transfers import to_device
 from services.worker.transport import Dispatcher
 
-__all__ = ["Served", "Serving"]
+__all__ = ["PROGRESS_EVERY_S", "Progress", "Served", "Serving"]
 
 log = get_logger(__name__)
+
+PROGRESS_EVERY_S = 0.02
+"""Shortest time between two progress reports of one request: a fast decoder's tokens
+are batched so the coordinator (and a streaming client) see a few messages a step at most."""
+
+
+class Progress:
+    """Collects a request's generated tokens and reports them at most every `every_s`.
+
+    The ring's first device reports what it generated so far, so the coordinator
+    can stream it and, should a device be lost, re-run the request from there.
+    """
+
+    def __init__(
+        self,
+        msg: RunInference,
+        device: DeviceId,
+        report: Callable[[InferenceProgress], None],
+        every_s: float = PROGRESS_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.msg, self.device, self.report = msg, device, report
+        self.every_s, self.clock = every_s, clock
+        self.pending: list[int] = []
+        self.last = float("-inf")
+
+    def token(self, token: int) -> None:
+        """One more token generated; reported now if the last report is old enough."""
+        self.pending.append(token)
+        if self.clock() - self.last >= self.every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Report the tokens not reported yet (nothing if there are none)."""
+        if not self.pending:
+            return
+        msg = self.msg
+        self.report(
+            InferenceProgress(
+                device=self.device,
+                serve_id=msg.serve_id,
+                epoch=msg.epoch,
+                round=msg.round,
+                tokens=self.pending,
+            )
+        )
+        self.pending, self.last = [], self.clock()
 
 
 @dataclass(frozen=True)
@@ -152,8 +201,14 @@ class Serving:
             load_s=time.perf_counter() - started,
         )
 
-    def run(self, msg: RunInference) -> InferenceDone | None:
-        """Run this device's part of one request; the ring's first device returns the answer."""
+    def run(
+        self, msg: RunInference, report: Callable[[InferenceProgress], None] | None = None
+    ) -> InferenceDone | None:
+        """Run this device's part of one request; the ring's first device returns the answer.
+
+        The first device also hands `report` the tokens as they are generated
+        (`Progress`), all of them before it returns.
+        """
         served = self.served
         if served is None or (served.serve_id, served.epoch) != (msg.serve_id, msg.epoch):
             have = f"{served.serve_id}/{served.epoch}" if served else "nothing"
@@ -177,6 +232,7 @@ class Serving:
         sharded = plan.mode in ("galaxy", "megatron")
         prompt: list[Tensor] = []
         tokens: list[int] = []
+        progress = Progress(msg, self.device, report) if report and ring.rank == 0 else None
         with torch.no_grad():
             if config.kind == "decoder":
                 tokens = hmp.generate(
@@ -190,7 +246,12 @@ class Serving:
                     timeout_s=self.timeout_s,
                     sharded=sharded,
                     on_prompt=prompt.append,
+                    sampler=Sampler(msg.temperature, msg.top_p, msg.seed),
+                    stop=msg.stop,
+                    on_token=progress.token if progress is not None else None,
                 )
+                if progress is not None:
+                    progress.flush()
             else:
                 prompt.append(
                     hmp.run(

@@ -114,10 +114,24 @@ class ServeSpec(WireModel):
     seed: int = Field(0, ge=0, le=2**31 - 1)
     job: JobId | None = Field(None, pattern=JOB_ID_PATTERN, description="The training job.")
     round: int | None = Field(None, ge=0, description="Its checkpoint; default the latest.")
-    mode: Literal["galaxy", "megatron", "sp", "local"] = Field(
-        "galaxy",
-        description="galaxy (hybrid model parallelism), megatron (tensor parallelism), "
+    mode: Literal["auto", "galaxy", "megatron", "sp", "local"] = Field(
+        "auto",
+        description="auto (the mode and devices the cost model predicts fastest, one device "
+        "included), galaxy (hybrid model parallelism), megatron (tensor parallelism), "
         "sp (sequence parallelism) or local (the single best device).",
+    )
+    link_bps: float | None = Field(
+        None,
+        gt=0,
+        le=1e12,
+        description="Bits/s of the devices' links, for auto's cost model; default 1 Gbit/s.",
+    )
+    step_latency_s: float | None = Field(
+        None,
+        ge=0,
+        le=1.0,
+        description="Fixed seconds per ring step beyond its bytes, for auto's cost model; "
+        "default the one measured on loopback.",
     )
     overlap: bool = Field(True, description="Overlap ring steps with GEMM tiles (galaxy).")
     devices: list[DeviceId] = Field(
@@ -268,6 +282,9 @@ class RunInference(Sampling):
     """Run request `round` on the loaded shard, with the ring's other devices.
 
     The ring's first device reports the tokens as they come (`InferenceProgress`).
+    A request re-run after a device loss carries what was generated so far in
+    `ids` and goes on at step `first_step`, so a seeded sample draws what the
+    undisturbed run would have drawn.
     """
 
     type: Literal["run_inference"] = "run_inference"
@@ -276,6 +293,9 @@ class RunInference(Sampling):
     round: int = Field(ge=1, description="The request's number, from 1.")
     ids: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
     new_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS)
+    first_step: int = Field(
+        0, ge=0, le=MAX_NEW_TOKENS, description="The decoding step the first new token is."
+    )
 
 
 # --- worker -> coordinator ---------------------------------------------------

@@ -46,6 +46,19 @@ class BlockProfile(BaseModel):
     mha_close: float = Field(0.25, ge=0.0, le=1.0, description="Share in the output GEMM.")
     mlp_open: float = Field(0.5, ge=0.0, le=1.0, description="Share in the up GEMM.")
     mlp_close: float = Field(0.5, ge=0.0, le=1.0, description="Share in the down GEMM.")
+    step_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=10.0,
+        description="Seconds of the ring's own work per ring step on this device (framing, "
+        "copies, thread wakeups), beyond the bytes on the link.",
+    )
+    layer_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=10.0,
+        description="Seconds of Python and dispatch work per layer outside the timed blocks.",
+    )
 
     @field_validator("mha", "mlp", "con")
     @classmethod

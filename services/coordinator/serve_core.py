@@ -32,6 +32,7 @@ from common.ids import DeviceId
 from common.messages import Message
 from common.serving_messages import (
     BlocksProfiled,
+    InferenceProgress,
     LoadShard,
     ProfileBlocks,
     ServeSpec,
@@ -39,7 +40,18 @@ from common.serving_messages import (
     TransformerShape,
 )
 from services.coordinator import core
-from services.coordinator.core import Beats, Complete, Fail, Heard, Log, Lost, ProbeAnswer, Reply
+from services.coordinator.core import (
+    Beats,
+    Complete,
+    Fail,
+    Heard,
+    Log,
+    Lost,
+    ProbeAnswer,
+    Reply,
+    Tick,
+)
+from services.coordinator.galaxy.choose import DEFAULT_LINK_BPS, STEP_LATENCY_S, Link, choose
 from services.coordinator.galaxy.planner import (
     plan_galaxy,
     plan_local,
@@ -49,13 +61,16 @@ from services.coordinator.galaxy.planner import (
 )
 from services.coordinator.job_state import Cancelled, Record, Send, SetAssigned
 from services.coordinator.membership import Members, heard
+from services.coordinator.serve_recover import budgets, joiners, lost, shortfall, survivors
 from services.coordinator.serve_requests import (
     answered,
     fail,
     next_request,
     on_cancel,
+    on_progress,
     on_taken,
     on_waiting,
+    run_request,
     step_failed,
 )
 from services.coordinator.serve_state import (
@@ -110,6 +125,8 @@ def apply(serve: Serve, event: Event, now: float) -> Out:
         spec = serve.spec.model_copy(update={"round": event.round})
         read = Log("info", "serving a checkpoint", {"trained_by": spec.job, "round": event.round})
         return _prepare(replace(serve, spec=spec), event.shape, now, [read])
+    if isinstance(event, Reply) and isinstance(event.msg, InferenceProgress):
+        return on_progress(serve, event.device, event.msg)  # not a reply the wait takes
     if serve.wait is not None:
         return _waited(serve, serve.wait, event, now)
     if isinstance(event, Beats):
@@ -121,6 +138,8 @@ def apply(serve: Serve, event: Event, now: float) -> Out:
         return serve, [Log("debug", "ignored stale reply", why)]
     if serve.phase == "joining":
         return _joined_yet(serve, now, [])
+    if isinstance(event, Tick) and _idle(serve) and (back := joiners(serve, now)):
+        return _rejoin(serve, back, now)
     return serve, []
 
 
@@ -155,7 +174,7 @@ def _prepare(serve: Serve, shape: TransformerShape, now: float, out: list[Comman
     spec, devices = serve.spec, list(serve.devices)
     try:
         config = shape.config()
-        require_capacity(config, _budgets(serve, devices), spec.seq_len)
+        require_capacity(config, budgets(serve, devices), spec.seq_len)
     except (AsteroidError, ValidationError) as exc:
         return fail(serve, str(exc), out)
     msg = ProfileBlocks(
@@ -172,15 +191,14 @@ def _prepare(serve: Serve, shape: TransformerShape, now: float, out: list[Comman
     return serve, [*out, Record("profiling"), *(Send(d, msg) for d in devices)]
 
 
-def _budgets(serve: Serve, devices: Sequence[DeviceId]) -> dict[str, int]:
-    """Each device's memory for its shard: what its heartbeat says training may use."""
-    return {d: m.info.memory_budget for d in devices if (m := serve.members.get(d)) is not None}
-
-
 def _profiled(serve: Serve, replies: Mapping[DeviceId, Message], now: float) -> Out:
-    """Plan on the profiles (a wrong seq_len fails the job), then have the shards loaded."""
-    spec, config = serve.spec, serve.config
-    profiles: dict[str, BlockProfile] = {}
+    """Plan on the profiles (a wrong seq_len fails the job), then have the shards loaded.
+
+    Profiles kept from earlier (devices joining a running job are the only ones
+    asked) are planned on with the new ones.
+    """
+    spec = serve.spec
+    profiles: dict[str, BlockProfile] = dict(serve.profiles)
     for d, reply in replies.items():
         if not isinstance(reply, BlocksProfiled):  # the wait takes nothing else
             return fail(serve, f"device {d} answered profiling with {reply.type}")
@@ -188,11 +206,20 @@ def _profiled(serve: Serve, replies: Mapping[DeviceId, Message], now: float) -> 
             why = f"device {d} profiled seq_len {reply.profile.seq_len}, asked {spec.seq_len}"
             return fail(serve, why)
         profiles[d] = reply.profile
-    out: list[Command] = [Record("planning")]
+    serve = replace(serve, profiles=profiles)
+    out: list[Command] = [] if serve.replanning else [Record("planning")]
+    return _load(serve, now, out)
+
+
+def _load(serve: Serve, now: float, out: list[Command]) -> Out:
+    """Plan on the job's devices with the profiles kept, and have every shard loaded."""
+    spec, config = serve.spec, serve.config
     if config is None or serve.shape is None:
         return fail(serve, "serving core out of order: profiled before the shape was known", out)
     try:
-        plan = _plan(spec, config, list(serve.devices), profiles, _budgets(serve, serve.devices))
+        plan = _plan(
+            spec, config, list(serve.devices), dict(serve.profiles), budgets(serve, serve.devices)
+        )
     except (AsteroidError, ValidationError) as exc:
         return fail(serve, str(exc), out)
     devices = [DeviceId(d) for d in plan.devices]
@@ -221,6 +248,10 @@ def _plan(
 ) -> InferencePlan:
     """The plan of the spec's mode."""
     seq, names = spec.seq_len, [str(d) for d in devices]
+    if spec.mode == "auto":
+        step = STEP_LATENCY_S if spec.step_latency_s is None else spec.step_latency_s
+        link = Link(spec.link_bps or DEFAULT_LINK_BPS, step)
+        return choose(config, names, profiles, budgets, seq, link, overlap=spec.overlap).plan
     if spec.mode == "galaxy":
         return plan_galaxy(config, names, profiles, budgets, seq, overlap=spec.overlap)
     if spec.mode == "megatron":
@@ -230,8 +261,8 @@ def _plan(
     return plan_local(config, names, profiles, budgets, seq)
 
 
-def _loaded(serve: Serve, replies: Mapping[DeviceId, Message]) -> Out:
-    """Every shard is in memory: the job runs, and the first waiting request is taken."""
+def _loaded(serve: Serve, replies: Mapping[DeviceId, Message], now: float) -> Out:
+    """Every shard is in memory: the job runs the request a loss cut off, or the next one."""
     plan = serve.plan
     if plan is None:
         return fail(serve, "serving core out of order: loaded without a plan")
@@ -245,7 +276,11 @@ def _loaded(serve: Serve, replies: Mapping[DeviceId, Message]) -> Out:
             {"mode": plan.mode, "devices": plan.devices, "heads": plan.heads, "cols": plan.cols},
         ),
     ]
-    serve, more = next_request(replace(serve, phase="serving"))
+    serve = replace(serve, phase="serving", replanning=False)
+    if serve.running is not None:  # the request a loss cut off runs again
+        serve, more = run_request(serve, serve.running.req, now, resume=serve.running)
+    else:
+        serve, more = next_request(serve)
     return serve, [*out, *more]
 
 
@@ -267,7 +302,9 @@ def _waited(serve: Serve, wait: core.Wait, event: core.Event, now: float) -> Out
         if isinstance(cmd, Complete):
             serve, more = _completed(replace(serve, wait=None), cmd.replies, now)
             return serve, [*out, *more]
-        if isinstance(cmd, Fail | Lost):
+        if isinstance(cmd, Lost):
+            return _lost(replace(serve, wait=None), cmd.devices, cmd.reason, now, out)
+        if isinstance(cmd, Fail):
             return step_failed(replace(serve, wait=None), cmd.reason, out)
         out.append(cmd)
     return serve, out
@@ -277,8 +314,13 @@ def _completed(serve: Serve, replies: Mapping[DeviceId, Message], now: float) ->
     if serve.phase == "profiling":
         return _profiled(serve, replies, now)
     if serve.phase == "loading":
-        return _loaded(serve, replies)
-    return answered(serve, replies, now)
+        return _loaded(serve, replies, now)
+    back = joiners(serve, now)
+    serve, out = answered(serve, replies, now, take_next=not back)
+    if back and not serve.ended:
+        serve, more = _rejoin(serve, back, now)
+        return serve, [*out, *more]
+    return serve, out
 
 
 def _probe_answered(serve: Serve, event: ProbeAnswer, now: float) -> Out:
@@ -293,3 +335,72 @@ def _probe_answered(serve: Serve, event: ProbeAnswer, now: float) -> Out:
         Heard(event.device, now),
         Log("info", "suspect answered the probe", {"device": event.device}),
     ]
+
+
+# --- losses and joins -----------------------------------------------------------------
+
+
+def _lost(serve: Serve, gone: list[DeviceId], reason: str, now: float, out: list[Command]) -> Out:
+    """Re-plan on the survivors under a new epoch; end the job if they cannot hold the model.
+
+    Only once the shards were planned (a loss while joining or profiling fails
+    the job, as before any request it is cheaper to start again). The request
+    in flight stays in flight: it runs again once the new shards are loaded.
+    """
+    if serve.phase not in ("loading", "serving") or not serve.profiles:
+        return step_failed(serve, reason, out)
+    left = survivors(serve, gone)
+    if (short := shortfall(serve, left)) is not None:
+        why = f"{reason}; the survivors {left} cannot hold the model: {short}"
+        return step_failed(serve, why, out)
+    record = serve.phase == "serving" or serve.replanning
+    serve = lost(serve, gone, reason, now)
+    serve = replace(serve, devices=tuple(left), epoch=serve.epoch + 1, replanning=False)
+    fields = {"lost": list(gone), "survivors": list(left), "epoch": serve.epoch}
+    out = [*out, Log("warning", "devices lost; re-planning on the survivors", fields)]
+    if record:
+        out.append(Record("recovering", {"lost": list(gone), "reason": reason}))
+    return _load(replace(serve, phase="loading"), now, out)
+
+
+def _idle(serve: Serve) -> bool:
+    return (
+        serve.phase == "serving"
+        and serve.wait is None
+        and serve.running is None
+        and not serve.taking
+        and serve.cancel is None
+    )
+
+
+def _rejoin(serve: Serve, back: list[DeviceId], now: float) -> Out:
+    """Take `back` into the job: profile those never profiled, then re-plan and reload."""
+    returning = [d for d in back if d in serve.gone]
+    newcomers = len(back) - len(returning)
+    gone = {d: at for d, at in serve.gone.items() if d not in returning}
+    gone = dict(sorted(gone.items(), key=lambda kv: kv[1])[newcomers:])
+    devices = tuple(sorted({*serve.devices, *back}))
+    serve = replace(serve, devices=devices, gone=gone, epoch=serve.epoch + 1, replanning=True)
+    out: list[Command] = [
+        Log(
+            "info", "devices joined; re-planning with them", {"joined": back, "epoch": serve.epoch}
+        ),
+        Record("replanning", {"joined": list(back)}),
+        SetAssigned(frozenset(devices)),
+    ]
+    unprofiled = [d for d in back if d not in serve.profiles]
+    if not unprofiled or serve.shape is None:
+        return _load(replace(serve, phase="loading"), now, out)
+    spec, shape = serve.spec, serve.shape
+    msg = ProfileBlocks(
+        serve_id=spec.serve_id,
+        epoch=serve.epoch,
+        model=shape,
+        seq_len=spec.seq_len,
+        heads=profile_sizes(shape.heads),
+        cols=profile_sizes(shape.ffn),
+        rows=profile_sizes(spec.seq_len),
+    )
+    serve = replace(serve, phase="profiling")
+    serve = begin_step(serve, BlocksProfiled, unprofiled, 0, now, serve.limits.load_timeout_s)
+    return serve, [*out, *(Send(d, msg) for d in unprofiled)]

@@ -6,6 +6,14 @@ one tile of `rows * hidden * 4` bytes per step for `D - 1` steps (an AllReduce
 is a ReduceScatter then an AllGather); with tile overlap each ring step runs
 under one tile's GEMM, so a step costs `max(tile GEMM, transfer)`. Memory is
 Eq. 5's left-hand side plus what every device holds besides its shards.
+
+Measured on the testbed, a ring step also costs a fixed time beyond its bytes:
+the sender's framing and copy, two thread hops, the receiver's wakeup, and on a
+CPU-quota'd device the wait for its next scheduling period. That part is
+`step_latency_s` (the link's) plus the slowest ring member's `BlockProfile.step_s`
+(its own CPU work per step); it runs on the same core as the GEMMs, so tile
+overlap does not hide it. Each device's `BlockProfile.layer_s` adds the Python
+and dispatch work of one layer outside its blocks.
 """
 
 from __future__ import annotations
@@ -88,6 +96,8 @@ def predict(
     config: TransformerConfig,
     profiles: Mapping[str, BlockProfile],
     bandwidth_bps: float,
+    *,
+    step_latency_s: float = 0.0,
 ) -> Prediction:
     """Seconds one request takes under `plan`, from per-device block profiles.
 
@@ -96,14 +106,19 @@ def predict(
     connective blocks; sp two AllGathers (keys and values) with each device running
     whole blocks on its rows (time scaled by rows / seq_len); local no communication.
 
+    Every ring step adds `step_latency_s` and the slowest member's `step_s`
+    (see the module doc); every layer the slowest member's `layer_s`.
+
     Raises:
         ConfigError: If the plan does not cover the model, a device has no profile
-            for the plan's seq_len, or the bandwidth is not positive.
+            for the plan's seq_len, or the bandwidth or step latency is out of range.
 
     """
     plan.check(config)
     if not bandwidth_bps > 0:
         raise ConfigError(f"bandwidth must be positive bits/s, got {bandwidth_bps}")
+    if not step_latency_s >= 0:
+        raise ConfigError(f"step latency must be >= 0 s, got {step_latency_s}")
     profs = _profiles_for(plan, profiles)
     n, t, hidden = len(plan.devices), plan.seq_len, config.hidden
     if plan.mode == "sp":
@@ -113,16 +128,19 @@ def predict(
         mha = max(p.mha_s(a) for p, a in zip(profs, plan.heads, strict=True))
         mlp = max(p.mlp_s(b) for p, b in zip(profs, plan.cols, strict=True))
     con = 2 * max(p.con_s(r) for p, r in zip(profs, plan.rows, strict=True))
+    con += max(p.layer_s for p in profs)
+    fixed = step_latency_s + max(p.step_s for p in profs)
     if n == 1:
-        comm, step = 0.0, 0.0
+        comm, step, steps = 0.0, 0.0, 0
     elif plan.mode == "megatron":
         # an AllReduce of the (t, hidden) output in D even chunks is RS + AG: 2 (D-1) steps
         step = ring_step_s(t / n, hidden, bandwidth_bps)
-        comm = 2 * 2 * (n - 1) * step
+        steps = 2 * 2 * (n - 1)
     else:
         # galaxy: 2 AllGather + 2 ReduceScatter; sp: 2 AllGather; a step moves the largest tile
         step = ring_step_s(max(plan.rows), hidden, bandwidth_bps)
-        comm = (4 if plan.mode == "galaxy" else 2) * (n - 1) * step
+        steps = (4 if plan.mode == "galaxy" else 2) * (n - 1)
+    comm = steps * (step + fixed)
     hidden_s = 0.0
     if plan.overlap and n > 1:
         tiles = [r / t for r in plan.rows]
@@ -134,7 +152,8 @@ def predict(
                 o, c = getattr(p, f"{kind}_open") * total, getattr(p, f"{kind}_close") * total
                 worst = max(worst, _overlapped(o, total - o - c, c, tiles, d, step))
             blocks.append(worst)
-        hidden_s = config.layers * max(0.0, mha + mlp + comm - sum(blocks))
+        # only the transfers hide: the fixed part runs on the GEMMs' own core
+        hidden_s = config.layers * max(0.0, mha + mlp + steps * step - sum(blocks))
     layers = config.layers
     total = layers * (mha + mlp + con + comm) - hidden_s
     return Prediction(layers * mha, layers * mlp, layers * con, layers * comm, hidden_s, total)

@@ -168,5 +168,7 @@ def scaled(profile: BlockProfile, slowdown: float, device: str | None = None) ->
             "mha": times(profile.mha),
             "mlp": times(profile.mlp),
             "con": times(profile.con),
+            "step_s": profile.step_s * slowdown,
+            "layer_s": profile.layer_s * slowdown,
         }
     )

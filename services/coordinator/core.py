@@ -74,6 +74,9 @@ class Wait:
     next_nonce: int = 1
     """The nonce of the next probe: a counter in the state keeps `apply` pure."""
     got: Mapping[DeviceId, Message] = field(default_factory=dict)
+    watch: frozenset[DeviceId] = frozenset()
+    """Devices whose liveness is checked though no reply is wanted of them (a serving
+    request's ring: only its first device answers, but any device's loss ends it)."""
     done: bool = False
     """A verdict was returned: later events change nothing."""
 
@@ -189,6 +192,7 @@ def begin(
     members: Members | None = None,
     probes: Probes | None = None,
     next_nonce: int = 1,
+    watch: frozenset[DeviceId] = frozenset(),
 ) -> Wait:
     """A wait for one `kind` reply of (epoch, round_no) from each of `devices`, from `now`.
 
@@ -208,6 +212,7 @@ def begin(
         members=dict(members or {}),
         probes=dict(probes or {}),
         next_nonce=next_nonce,
+        watch=watch - frozenset(devices),
         done=not devices,
     )
 
@@ -272,7 +277,7 @@ def _on_tick(wait: Wait, now: float) -> tuple[Wait, list[Command]]:
         wait.members,
         wait.probes,
         now,
-        wait.want,
+        wait.want | wait.watch,
         wait.heartbeat_deadline_s,
         wait.probe_timeout_s,
     )

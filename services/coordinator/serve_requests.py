@@ -16,10 +16,17 @@ from typing import Literal
 
 from common.ids import DeviceId
 from common.messages import Message
-from common.serving_messages import InferenceDone, InferReply, RunInference
+from common.serving_messages import (
+    InferChunk,
+    InferenceDone,
+    InferenceProgress,
+    InferReply,
+    RunInference,
+)
 from services.coordinator.core import Log
 from services.coordinator.infer_requests import PendingRequest
 from services.coordinator.job_state import Record, Send
+from services.coordinator.serve_recover import recovered
 from services.coordinator.serve_state import (
     Answer,
     AppendMetrics,
@@ -39,6 +46,7 @@ __all__ = [
     "fail",
     "next_request",
     "on_cancel",
+    "on_progress",
     "on_taken",
     "on_waiting",
     "step_failed",
@@ -106,50 +114,94 @@ def on_taken(serve: Serve, req: PendingRequest | None, now: float) -> Out:
     return run_request(serve, req, now)
 
 
-def run_request(serve: Serve, req: PendingRequest, now: float) -> Out:
-    """Send the request to every device of the plan; the first one answers it."""
+def run_request(
+    serve: Serve, req: PendingRequest, now: float, resume: InFlight | None = None
+) -> Out:
+    """Send the request to every device of the plan; the first one answers it.
+
+    `resume` is the request a device loss cut off: it runs again under its own
+    number, its prompt followed by what was generated so far, for the tokens
+    still to come (greedy decoding then answers as an undisturbed run would).
+    A request that asked for the prompt's logits runs again from the start.
+    """
     if serve.plan is None:
         return fail(serve, "serving core out of order: a request before the plan")
-    n = serve.requests + 1
+    n, started = serve.requests + 1, now
+    done: tuple[int, ...] = ()
+    if resume is not None:
+        n, started = resume.number, resume.started
+        done = () if req.msg.logits else resume.generated
+        stops = getattr(req.msg, "stop", ())
+        if len(done) >= req.msg.new_tokens > 0 or (done and done[-1] in stops):
+            return _finish(serve, resume, list(done), [], 0.0, now, take_next=True)
     devices = [DeviceId(d) for d in serve.plan.devices]
     msg = RunInference(
         serve_id=serve.spec.serve_id,
         epoch=serve.epoch,
         round=n,
-        ids=req.msg.ids,
-        new_tokens=req.msg.new_tokens,
+        ids=[*req.msg.ids, *done],
+        new_tokens=req.msg.new_tokens - len(done),
+        first_step=len(done),
+        temperature=req.msg.temperature,
+        top_p=req.msg.top_p,
+        seed=req.msg.seed,
+        stop=req.msg.stop,
     )
-    serve = replace(serve, requests=n, running=InFlight(req, n, now))
-    serve = begin_step(serve, InferenceDone, devices[:1], n, now, serve.limits.request_timeout_s)
+    streamed = resume.streamed if resume is not None else 0
+    running = InFlight(req, n, started, generated=done, resumed=len(done), streamed=streamed)
+    serve = replace(serve, requests=max(n, serve.requests), running=running)
+    limit = serve.limits.request_timeout_s
+    serve = begin_step(serve, InferenceDone, devices[:1], n, now, limit, watch=devices[1:])
     return serve, [Send(d, msg) for d in devices]
 
 
-def answered(serve: Serve, replies: Mapping[DeviceId, Message], now: float) -> Out:
-    """Record the request's metrics, then answer it (whoever has an answer sees them)."""
+def answered(
+    serve: Serve, replies: Mapping[DeviceId, Message], now: float, take_next: bool = True
+) -> Out:
+    """Record the request's metrics, then answer it (whoever has an answer sees them).
+
+    `take_next` False leaves the next request queued (devices are joining).
+    """
     running = serve.running
     if running is None or serve.plan is None:
         return fail(serve, "serving core out of order: an answer without a request")
     out = replies[DeviceId(serve.plan.devices[0])]
     if not isinstance(out, InferenceDone):  # the wait takes nothing else
         return fail(serve, f"request {running.number} was answered with {out.type}")
+    tokens = [*running.generated[: running.resumed], *out.tokens]
+    return _finish(serve, running, tokens, out.logits, out.compute_s, now, take_next)
+
+
+def _finish(
+    serve: Serve,
+    running: InFlight,
+    tokens: list[int],
+    logits: list[float],
+    compute_s: float,
+    now: float,
+    take_next: bool,
+) -> Out:
+    """Answer the request running with `tokens` (every run's), and record its metrics."""
     req, n = running.req, running.number
     latency = now - running.started
     reply = InferReply(
         serve_id=serve.spec.serve_id,
         request=n,
         ok=True,
-        tokens=out.tokens,
-        logits=out.logits if req.msg.logits else [],
+        tokens=tokens,
+        logits=logits if req.msg.logits else [],
         latency_s=latency,
         queued_s=running.started - req.arrived,
+        # a stop token ends generation early and is left out (sampling.finish_reason)
+        finish_reason="stop" if len(tokens) < req.msg.new_tokens else "length",
     )
     metrics = {
         "request": n,
         "latency_s": round(latency, 6),
-        "compute_s": round(out.compute_s, 6),
+        "compute_s": round(compute_s, 6),
         "queued_s": round(reply.queued_s, 6),
         "tokens_in": len(req.msg.ids),
-        "tokens_out": len(out.tokens),
+        "tokens_out": len(tokens),
     }
     done = {k: v for k, v in metrics.items() if k in ("request", "tokens_in", "tokens_out")}
     commands: list[Command] = [
@@ -157,12 +209,41 @@ def answered(serve: Serve, replies: Mapping[DeviceId, Message], now: float) -> O
         Answer(req.peer, reply),
         Log("info", "request answered", {**done, "latency_s": round(latency, 4)}),
     ]
-    serve = replace(serve, running=None)
+    serve, after = recovered(replace(serve, running=None), now)
+    commands += after
     if serve.cancel is not None:
         serve, more = end(serve, "cancelled", serve.cancel)
-    else:
+    elif take_next:
         serve, more = next_request(serve)
+    else:
+        more = []
     return serve, [*commands, *more]
+
+
+def on_progress(serve: Serve, peer: DeviceId, msg: InferenceProgress) -> Out:
+    """Keep the tokens the ring's first device reports; stream them if the request asked.
+
+    Only the running request's report from the first device of the plan, within
+    the tokens asked for, is taken; anything else is dropped naming its sender
+    (a late report of an earlier epoch is dropped the same way).
+    """
+    running, plan = serve.running, serve.plan
+    why = {"peer": peer, "request": msg.round, "epoch": msg.epoch}
+    at = (msg.serve_id, msg.epoch, msg.round)
+    if running is None or plan is None or at != (serve.spec.serve_id, serve.epoch, running.number):
+        return serve, [Log("info", "dropped progress of a request not running", why)]
+    if peer != plan.devices[0] or msg.device != peer:
+        return serve, [Log("warning", "dropped progress from a device not first in the ring", why)]
+    generated = (*running.generated, *msg.tokens)
+    if len(generated) > running.req.msg.new_tokens:
+        return serve, [Log("warning", "dropped progress beyond the tokens asked for", why)]
+    fresh = generated[running.streamed :] if running.req.msg.stream else ()
+    streamed = max(running.streamed, len(generated))
+    serve = replace(serve, running=replace(running, generated=generated, streamed=streamed))
+    if not fresh:
+        return serve, []
+    chunk = InferChunk(serve_id=serve.spec.serve_id, request=running.number, tokens=list(fresh))
+    return serve, [Answer(running.req.peer, chunk)]
 
 
 def _refuse(serve: Serve, req: PendingRequest, request: int, error: str) -> Answer:

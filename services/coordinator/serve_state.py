@@ -11,15 +11,22 @@ one in fair order (`TakeRequest`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from common.galaxy.config import TransformerConfig
 from common.galaxy.plan import InferencePlan
+from common.galaxy.profile import BlockProfile
 from common.ids import DeviceId
 from common.messages import Message
-from common.serving_messages import InferReply, InferRequest, ServeSpec, TransformerShape
+from common.serving_messages import (
+    InferChunk,
+    InferReply,
+    InferRequest,
+    ServeSpec,
+    TransformerShape,
+)
 from services.coordinator import core
 from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick, Wait
 from services.coordinator.infer_requests import PendingRequest
@@ -42,6 +49,7 @@ __all__ = [
     "Out",
     "Phase",
     "ReadShape",
+    "Recovery",
     "Serve",
     "ShapeRead",
     "TakeRequest",
@@ -108,6 +116,25 @@ class InFlight:
     req: PendingRequest
     number: int
     started: float
+    generated: tuple[int, ...] = ()
+    """Tokens generated so far (from InferenceProgress), over every run of the request."""
+    resumed: int = 0
+    """Of `generated`, how many the current run took as prompt (a re-run after a loss)."""
+    streamed: int = 0
+    """Tokens already sent to a streaming requester: a re-run from the start sends no
+    token twice."""
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A loss the job is recovering from: recorded with the first answer after it."""
+
+    lost: tuple[DeviceId, ...]
+    silent_since: float
+    """When the lost devices were last heard from: the loss counts from here."""
+    declared: float
+    """When they were declared lost."""
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -126,6 +153,14 @@ class Serve:
     shape: TransformerShape | None = None
     config: TransformerConfig | None = None
     plan: InferencePlan | None = None
+    profiles: Mapping[str, BlockProfile] = field(default_factory=dict)
+    """Every device's block timings, kept so a loss or a join is re-planned without profiling."""
+    recovery: Recovery | None = None
+    """A device loss whose recovery has not answered a request yet."""
+    gone: Mapping[DeviceId, float] = field(default_factory=dict)
+    """Devices lost, and when: one heard from after that may join again."""
+    replanning: bool = False
+    """The shards being loaded take in devices that joined (not a loss)."""
     wait: Wait | None = None
     """The wait for the current step's replies (profiles, shards, a request's answer)."""
     members: Members = field(default_factory=dict)
@@ -209,10 +244,10 @@ class Drop:
 
 @dataclass(frozen=True)
 class Answer:
-    """Send `reply` to the requester `peer`."""
+    """Send `reply` (or a streamed request's chunk of tokens) to the requester `peer`."""
 
     peer: DeviceId
-    reply: InferReply
+    reply: InferReply | InferChunk
 
 
 @dataclass(frozen=True)
@@ -247,8 +282,12 @@ def begin_step(
     round_no: int,
     now: float,
     timeout_s: float,
+    watch: Sequence[DeviceId] = (),
 ) -> Serve:
-    """Start waiting for one `kind` reply of (epoch, round_no) from each of `devices`."""
+    """Start waiting for one `kind` reply of (epoch, round_no) from each of `devices`.
+
+    `watch` are devices that send no reply but whose loss ends the step too.
+    """
     lim = serve.limits
     wait = core.begin(
         kind,
@@ -263,5 +302,6 @@ def begin_step(
         serve.members,
         serve.probes,
         serve.next_nonce,
+        frozenset(watch),
     )
     return replace(serve, wait=wait)

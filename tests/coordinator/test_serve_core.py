@@ -28,6 +28,7 @@ from common.serving_messages import (
     TransformerShape,
 )
 from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick
+from services.coordinator.galaxy.cost import device_memory_bytes
 from services.coordinator.infer_requests import PendingRequest
 from services.coordinator.job_state import Cancelled, Record, Send, SetAssigned
 from services.coordinator.membership import Members, heard, on_heartbeat
@@ -92,8 +93,11 @@ def records(commands: Iterable[Command]) -> list[str]:
 class Script:
     """The shell's part: the clock, the heartbeats, and the queue of requests."""
 
-    def __init__(self, spec: ServeSpec, devices: Sequence[DeviceId] = ALL) -> None:
+    def __init__(
+        self, spec: ServeSpec, devices: Sequence[DeviceId] = ALL, budget: int = BUDGET
+    ) -> None:
         self.now = 0.0
+        self.budget = budget
         self.members: Members = {}
         self.queue: list[PendingRequest] = []
         self.silent: set[DeviceId] = set()
@@ -102,9 +106,8 @@ class Script:
             self.members = on_heartbeat(self.members, self.heartbeat(d), self.now)
         self.serve, self.started = start(spec, LIMITS, EPOCH, self.members, devices, self.now)
 
-    @staticmethod
-    def heartbeat(d: DeviceId) -> Heartbeat:
-        return Heartbeat(device=d, data_addr=f"tcp://{d}.lan:7001", memory_budget=BUDGET)
+    def heartbeat(self, d: DeviceId) -> Heartbeat:
+        return Heartbeat(device=d, data_addr=f"tcp://{d}.lan:7001", memory_budget=self.budget)
 
     def feed(self, event: Event, at: float | None = None) -> list[Command]:
         """Apply `event`; carry out Drop and TakeRequest as the shell does, return the rest."""
@@ -142,27 +145,29 @@ class Script:
         out = self.beat([d for d in self.members if d not in self.silent], at)
         return out + self.feed(Waiting(tuple(self.queue))) + self.feed(Tick())
 
-    def profiled(self, devices: Iterable[DeviceId] = ALL, seq_len: int = SEQ) -> list[Command]:
+    def profiled(
+        self, devices: Iterable[DeviceId] = ALL, seq_len: int = SEQ, epoch: int = EPOCH
+    ) -> list[Command]:
         out: list[Command] = []
         for d in devices:
-            msg = BlocksProfiled(device=d, serve_id="gpt", epoch=EPOCH, profile=profile(d, seq_len))
+            msg = BlocksProfiled(device=d, serve_id="gpt", epoch=epoch, profile=profile(d, seq_len))
             out += self.feed(Reply(d, msg))
         return out
 
-    def loaded(self, devices: Iterable[DeviceId]) -> list[Command]:
+    def loaded(self, devices: Iterable[DeviceId], epoch: int = EPOCH) -> list[Command]:
         out: list[Command] = []
         for d in devices:
-            msg = ShardLoaded(device=d, serve_id="gpt", epoch=EPOCH, weight_bytes=1000, load_s=0.1)
+            msg = ShardLoaded(device=d, serve_id="gpt", epoch=epoch, weight_bytes=1000, load_s=0.1)
             out += self.feed(Reply(d, msg))
         return out
 
     def done(
-        self, d: DeviceId, n: int, tokens: list[int], at: float | None = None
+        self, d: DeviceId, n: int, tokens: list[int], at: float | None = None, epoch: int = EPOCH
     ) -> list[Command]:
         msg = InferenceDone(
             device=d,
             serve_id="gpt",
-            epoch=EPOCH,
+            epoch=epoch,
             round=n,
             tokens=tokens,
             logits=[0.5, 0.25],
@@ -291,8 +296,16 @@ def test_a_request_the_model_cannot_answer_is_refused_and_the_job_goes_on():
     assert s.serve.phase == "serving" and records(out) == []
 
 
-def test_a_device_silent_during_a_request_is_probed_then_lost_and_the_job_fails():
-    s = Script(spec_of(mode="megatron"))
+def tight_budget() -> int:
+    """A budget three devices hold DECODER in, two do not."""
+    config = DECODER.config()
+    fixed = device_memory_bytes(config, SEQ, 0, 0, 0)
+    whole = device_memory_bytes(config, SEQ, config.heads, config.ffn, SEQ)
+    return fixed + int((whole - fixed) * 0.4)
+
+
+def test_a_device_lost_during_a_request_fails_the_job_when_the_survivors_cannot_hold_it():
+    s = Script(spec_of(mode="megatron"), budget=tight_budget())
     devices = s.serving()
     s.ask("alice", [1, 2, 3], at=1.0)
     s.tick()
@@ -311,6 +324,7 @@ def test_a_device_silent_during_a_request_is_probed_then_lost_and_the_job_fails(
     error = fail[0].fields["error"]
     assert f"workers ['{devices[0]}'] missed heartbeats" in error
     assert "did not answer a probe within 2 s" in error
+    assert f"the survivors {devices[1:]} cannot hold the model: no split fits" in error
     replies = answers(out)
     assert [(p, r.request, r.ok) for p, r in replies] == [
         ("alice", 1, False),

@@ -26,7 +26,7 @@ from common.errors import AsteroidError
 from common.lifecycle import TERMINAL, JobState, advance
 from common.logging import bind_global, get_logger
 from common.secrets import mask_text
-from common.serving_messages import ServeSpec, TransformerShape
+from common.serving_messages import InferReply, ServeSpec, TransformerShape
 from services.coordinator import serve_core
 from services.coordinator.core import Heard, Log, SendProbe, Tick
 from services.coordinator.host import Host
@@ -177,7 +177,7 @@ class ServeRun:
             coord.send(cmd.device, cmd.msg)
         elif isinstance(cmd, Answer):
             reply = cmd.reply
-            if reply.error:
+            if isinstance(reply, InferReply) and reply.error:
                 reply = reply.model_copy(update={"error": mask_text(reply.error)})
             coord.send(cmd.peer, reply)
         elif isinstance(cmd, SendProbe | Heard | Log):

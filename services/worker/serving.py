@@ -248,6 +248,7 @@ class Serving:
                     on_prompt=prompt.append,
                     sampler=Sampler(msg.temperature, msg.top_p, msg.seed),
                     stop=msg.stop,
+                    first_step=msg.first_step,
                     on_token=progress.token if progress is not None else None,
                 )
                 if progress is not None:

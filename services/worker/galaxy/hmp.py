@@ -320,6 +320,7 @@ def generate(
     sampler: Sampler = GREEDY,
     stop: Collection[int] = (),
     on_token: Callable[[int], None] | None = None,
+    first_step: int = 0,
 ) -> list[int]:
     """Decoding on this device with its KV cache; every device returns the same tokens.
 
@@ -329,8 +330,9 @@ def generate(
     the result (`sampling.finish_reason` tells the two apart). `on_token`
     receives each token kept as it is chosen (for streaming); `on_prompt`
     receives the prompt's logits (the first step's output), so a caller that
-    wants both pays for the prompt once. A local layout (no ring) decodes on
-    this device alone.
+    wants both pays for the prompt once. `first_step` numbers the first token's
+    draw (a request re-run from what it generated so far draws on where it
+    was). A local layout (no ring) decodes on this device alone.
 
     Raises:
         ConfigError: For an encoder, `new_tokens < 0`, or a layout that does not fit.
@@ -353,7 +355,7 @@ def generate(
                 on_prompt(logits)
             if step >= new_tokens:
                 break
-            token = sampler(logits[-1], step)
+            token = sampler(logits[-1], first_step + step)
             if token in stops:  # every device sees the same token, so all stop here
                 break
             out.append(token)

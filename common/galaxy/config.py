@@ -180,6 +180,22 @@ class TransformerConfig:
         """Rows of `k.weight` and `v.weight`: `kv_groups * head_dim`."""
         return self.kv_groups * self.head_dim
 
+    def kv_range(self, heads: range) -> range:
+        """The key/value heads query heads `heads` use (the same range without GQA).
+
+        Raises:
+            ConfigError: If `heads` cuts a KV group: a device's query heads must be
+                whole groups, so that it holds its own groups' keys and values.
+
+        """
+        g = self.group_size
+        if heads.step != 1 or heads.start % g or len(heads) % g:
+            raise ConfigError(
+                f"heads {heads.start}..{heads.stop - 1} cut a key/value group of {g} query "
+                f"heads ({self.heads} heads, {self.kv_groups} key/value heads)"
+            )
+        return range(heads.start // g, heads.start // g + len(heads) // g)
+
     @property
     def activation(self) -> Literal["gelu", "gelu_tanh", "swiglu"]:
         """The MLP's activation, with the default by kind resolved."""

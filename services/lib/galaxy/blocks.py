@@ -7,6 +7,12 @@ one such piece for a single request: hidden states are `(t, hidden)` rows.
 The row-wise ones act on any subset of rows, and `out_partial` /
 `mlp_down_partial` summed over a partition of heads / columns give the full
 block, so a distributed executor needs nothing else.
+
+The Llama family's pieces are options of the same functions (the config says
+which): RMSNorm for LayerNorm, SwiGLU for GELU, grouped-query attention (a
+head range maps to its KV groups' rows of `k` and `v`), rotary positions
+(`rotate`, applied to queries and keys once their rows' positions are known)
+and absent biases.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ __all__ = [
     "mlp_up",
     "out_partial",
     "qkv",
+    "rotate",
 ]
 
 
@@ -47,15 +54,29 @@ def _lw(w: Mapping[str, Tensor], layer: int, name: str) -> Tensor:
     return _get(w, layer_key(layer, name))
 
 
-def _layer_norm(x: Tensor, w: Mapping[str, Tensor], prefix: str, eps: float) -> Tensor:
+def _bias(w: Mapping[str, Tensor], layer: int, name: str, present: bool) -> Tensor | None:
+    """Layer `layer`'s bias `name`, or None when the config says the model has none."""
+    return _lw(w, layer, f"{name}.bias") if present else None
+
+
+def _norm(x: Tensor, w: Mapping[str, Tensor], prefix: str, config: TransformerConfig) -> Tensor:
+    """LayerNorm, or RMSNorm computed as transformers' LlamaRMSNorm does (in float32)."""
     weight = _get(w, f"{prefix}.weight")
-    return F.layer_norm(x, (x.shape[-1],), weight, _get(w, f"{prefix}.bias"), eps)
+    if config.norm == "layer":
+        return F.layer_norm(x, (x.shape[-1],), weight, _get(w, f"{prefix}.bias"), config.ln_eps)
+    y = x.to(torch.float32)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + config.ln_eps)
+    return weight * y.to(x.dtype)
 
 
-def _check_heads(heads: range, config: TransformerConfig) -> None:
-    """Refuse a head range that is not contiguous or leaves the model (empty is allowed)."""
+def _check_heads(heads: range, config: TransformerConfig) -> range:
+    """The KV heads of `heads`; refuse a range that is not step-1, leaves the model or cuts a group.
+
+    An empty range is allowed: a device may have no heads.
+    """
     if heads.step != 1 or (len(heads) and (heads.start < 0 or heads.stop > config.heads)):
         raise ConfigError(f"heads must be a step-1 range within [0, {config.heads}), got {heads}")
+    return config.kv_range(heads)
 
 
 def _cols(cols: range, ffn: int) -> slice:
@@ -70,7 +91,8 @@ def embed(
 ) -> Tensor:
     """Token plus position embeddings of `ids` at positions `offset..offset+t-1`.
 
-    The encoder normalises the sum (BERT); the decoder does not (GPT-2).
+    The encoder normalises the sum (BERT); the decoder does not (GPT-2). Rotary
+    positions add nothing here: `rotate` turns queries and keys instead.
 
     Raises:
         ConfigError: If `ids` is not 1-D, a position passes `max_positions`, or an id
@@ -90,9 +112,11 @@ def embed(
             f"token ids must be in [0, {config.vocab_size}), got "
             f"[{int(ids.min())}, {int(ids.max())}]"
         )
-    x = _get(w, "embed.token")[ids] + _get(w, "embed.position")[offset : offset + t]
+    x = _get(w, "embed.token")[ids]
+    if config.positions == "absolute":
+        x = x + _get(w, "embed.position")[offset : offset + t]
     if config.kind == "encoder":
-        x = _layer_norm(x, w, "embed.norm", config.ln_eps)
+        x = _norm(x, w, "embed.norm", config)
     return x
 
 
@@ -101,39 +125,80 @@ def attention_input(
 ) -> Tensor:
     """What the MHA block consumes from residual rows `x`: LN1(x) pre-LN, `x` post-LN."""
     if config.pre_norm:
-        return _layer_norm(x, w, layer_key(layer, "ln1"), config.ln_eps)
+        return _norm(x, w, layer_key(layer, "ln1"), config)
     return x
 
 
 def qkv(
     x: Tensor, w: Mapping[str, Tensor], layer: int, heads: range, config: TransformerConfig
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Queries, keys and values of heads `heads` for rows `x`, each `(len(heads), t, d)`.
+    """Queries `(len(heads), t, d)` and keys, values `(len(kv), t, d)` of heads `heads`.
 
-    Head `h` owns rows `[h*d, (h+1)*d)` of each projection, so a device computes
-    only its share. `config` supplies the head width, which the weights alone do not.
+    Head `h` owns rows `[h*d, (h+1)*d)` of `q`; its KV group `kv` (`config.kv_range`)
+    owns those rows of `k` and `v`, so a device computes only its share. `config`
+    supplies the head width and the groups, which the weights alone do not. Rotary
+    positions are not applied yet (`rotate`): a GEMM over row tiles does not know
+    where its rows sit.
     """
-    _check_heads(heads, config)
+    kv = _check_heads(heads, config)
     d = config.head_dim
-    rows = slice(heads.start * d, (heads.start + len(heads)) * d)
     out: list[Tensor] = []
-    for name in ("q", "k", "v"):
-        y = F.linear(x, _lw(w, layer, f"{name}.weight")[rows], _lw(w, layer, f"{name}.bias")[rows])
-        out.append(y.view(x.shape[0], len(heads), d).transpose(0, 1))
+    for name, share in (("q", heads), ("k", kv), ("v", kv)):
+        rows = slice(share.start * d, (share.start + len(share)) * d)
+        weight, bias = _lw(w, layer, f"{name}.weight"), _bias(w, layer, name, config.qkv_bias)
+        y = F.linear(x, weight[rows], None if bias is None else bias[rows])
+        out.append(y.view(x.shape[0], len(share), d).transpose(0, 1))
     return out[0], out[1], out[2]
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(q: Tensor, k: Tensor, offset: int, config: TransformerConfig) -> tuple[Tensor, Tensor]:
+    """Rotary positions on queries and keys `(h, t, d)` whose row 0 sits at `offset`.
+
+    transformers' Llama convention (rotate_half: the two halves of a head are the
+    pair), with its float32 frequencies, so logits agree with its own forward.
+    Absolute positions leave both unchanged (the embedding holds them).
+    """
+    if config.positions != "rope":
+        return q, k
+    if offset < 0:
+        raise ConfigError(f"rotary offset must be >= 0, got {offset}")
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    pos = torch.arange(offset, offset + q.shape[1], dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1).to(q.device)
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, q_offset: int) -> Tensor:
     """Scaled dot-product attention; query row i sits at position `q_offset + i`, key j at j.
 
     Plain matmul and softmax so every device computes the same function as the
-    reference. Returns the context `(tq, h * d)` with heads in order.
+    reference. Under grouped-query attention `k`, `v` have fewer heads than `q`
+    (a divisor): query head `i` uses KV head `i // (hq // hkv)`, as transformers'
+    repeat_kv has it. Returns the context `(tq, hq * d)` with heads in order.
     """
-    if q.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+    if (
+        q.dim() != 3
+        or k.dim() != 3
+        or k.shape != v.shape
+        or q.shape[2] != k.shape[2]
+        or (k.shape[0] == 0 and q.shape[0] != 0)
+        or (k.shape[0] and q.shape[0] % k.shape[0])
+    ):
         raise ConfigError(
-            f"attend needs q (h, tq, d) and k, v (h, tk, d) alike, got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"attend needs q (hq, tq, d) and k, v (hkv, tk, d) alike with hkv dividing hq, "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    if k.shape[0] and q.shape[0] != k.shape[0]:
+        group = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
     if q_offset < 0:
         raise ConfigError(f"q_offset must be >= 0, got {q_offset}")
     h, tq, d = q.shape
@@ -173,25 +238,34 @@ def after_attention(
 
     `attn` is the sum of every device's `out_partial` rows. Post-LN (encoder):
     `h = LN1(x + attn + o.bias)` and the MLP eats `h`; pre-LN (decoder):
-    `h = x + attn + o.bias` and the MLP eats `LN2(h)`.
+    `h = x + attn + o.bias` and the MLP eats `LN2(h)`. No `o.bias` when `o_bias` is off.
     """
-    h = x + attn + _lw(w, layer, "o.bias")
+    h = x + attn
+    if config.o_bias:
+        h = h + _lw(w, layer, "o.bias")
     if config.pre_norm:
-        return h, _layer_norm(h, w, layer_key(layer, "ln2"), config.ln_eps)
-    h = _layer_norm(h, w, layer_key(layer, "ln1"), config.ln_eps)
+        return h, _norm(h, w, layer_key(layer, "ln2"), config)
+    h = _norm(h, w, layer_key(layer, "ln1"), config)
     return h, h
 
 
 def mlp_up(
     x: Tensor, w: Mapping[str, Tensor], layer: int, cols: range, config: TransformerConfig
 ) -> Tensor:
-    """GELU of MLP columns `cols` of the up projection, `(t, len(cols))`.
+    """The activated MLP columns `cols`, `(t, len(cols))`: what `down` consumes.
 
-    The encoder uses erf GELU (BERT), the decoder the tanh approximation (GPT-2).
+    erf GELU (BERT) or its tanh approximation (GPT-2) of `up x`, or SwiGLU's
+    `silu(gate x) * up x` (Llama), whose `gate` is split by the same columns.
     """
     sl = _cols(cols, config.ffn)
-    y = F.linear(x, _lw(w, layer, "up.weight")[sl], _lw(w, layer, "up.bias")[sl])
-    return F.gelu(y, approximate="tanh" if config.kind == "decoder" else "none")
+
+    def project(name: str) -> Tensor:
+        weight, bias = _lw(w, layer, f"{name}.weight"), _bias(w, layer, name, config.mlp_bias)
+        return F.linear(x, weight[sl], None if bias is None else bias[sl])
+
+    if config.activation == "swiglu":
+        return F.silu(project("gate")) * project("up")
+    return F.gelu(project("up"), approximate="tanh" if config.activation == "gelu_tanh" else "none")
 
 
 def mlp_down_partial(e: Tensor, w: Mapping[str, Tensor], layer: int, cols: range) -> Tensor:
@@ -205,10 +279,12 @@ def after_mlp(
     h: Tensor, mlp: Tensor, w: Mapping[str, Tensor], layer: int, config: TransformerConfig
 ) -> Tensor:
     """The connective block after the MLP: `LN2(h + mlp + down.bias)` post-LN, else no LN."""
-    y = h + mlp + _lw(w, layer, "down.bias")
+    y = h + mlp
+    if config.mlp_bias:
+        y = y + _lw(w, layer, "down.bias")
     if config.pre_norm:
         return y
-    return _layer_norm(y, w, layer_key(layer, "ln2"), config.ln_eps)
+    return _norm(y, w, layer_key(layer, "ln2"), config)
 
 
 def head(x: Tensor, w: Mapping[str, Tensor], config: TransformerConfig) -> Tensor:
@@ -216,11 +292,12 @@ def head(x: Tensor, w: Mapping[str, Tensor], config: TransformerConfig) -> Tenso
 
     Encoder: class logits `(num_classes,)` from the first row through BERT's pooler,
     or the hidden states themselves when it does not classify. Decoder: LM logits
-    `(t, vocab)` through the tied token embedding.
+    `(t, vocab)` through the tied token embedding, or `lm_head.weight` when untied.
     """
     if config.kind == "encoder":
         if config.num_classes == 0:
             return x
         pooled = torch.tanh(F.linear(x[0], _get(w, "pool.weight"), _get(w, "pool.bias")))
         return F.linear(pooled, _get(w, "classify.weight"), _get(w, "classify.bias"))
-    return _layer_norm(x, w, "final_norm", config.ln_eps) @ _get(w, "embed.token").T
+    lm_head = _get(w, "embed.token" if config.tied_head else "lm_head.weight")
+    return _norm(x, w, "final_norm", config) @ lm_head.T

@@ -32,18 +32,21 @@ _FLOAT32_BYTES = 4
 
 
 class KVCache:
-    """Keys and values already computed for a decoder, per layer `(len(heads), t, d)`.
+    """Keys and values already computed for a decoder, per layer `(len(kv_heads), t, d)`.
 
-    A device that owns only some heads caches only those (`heads`), which is how
-    the per-device memory of the KV cache shrinks with tensor parallelism.
+    A device that owns only some heads caches only their KV groups (`kv_heads`),
+    which is how the per-device memory of the KV cache shrinks with tensor
+    parallelism; under grouped-query attention it is smaller still. Keys are
+    cached rotated (rotary positions), so a cached position is never turned again.
     """
 
     def __init__(self, config: TransformerConfig, heads: range | None = None) -> None:
-        """Start empty for `config`'s layers and heads `heads` (all by default).
+        """Start empty for `config`'s layers and query heads `heads` (all by default).
 
         Raises:
             ConfigError: If the model is an encoder (bidirectional attention leaves
-                nothing to reuse) or `heads` is not a step-1 range of its heads.
+                nothing to reuse), or `heads` is not a non-empty step-1 range of its
+                heads made of whole KV groups.
 
         """
         if config.kind != "decoder":
@@ -56,6 +59,7 @@ class KVCache:
             )
         self.config = config
         self.heads = heads
+        self.kv_heads = config.kv_range(heads)
         self._k: list[Tensor | None] = [None] * config.layers
         self._v: list[Tensor | None] = [None] * config.layers
 
@@ -75,7 +79,7 @@ class KVCache:
         """
         if not 0 <= layer < self.config.layers:
             raise ConfigError(f"layer must be in [0, {self.config.layers}), got {layer}")
-        want = (len(self.heads), self.config.head_dim)
+        want = (len(self.kv_heads), self.config.head_dim)
         if k.shape != v.shape or k.dim() != 3 or (k.shape[0], k.shape[2]) != want:
             raise ConfigError(
                 f"cache of layer {layer} takes k, v of shape ({want[0]}, t, {want[1]}), got "
@@ -89,7 +93,7 @@ class KVCache:
 
 
 def init_tensor(name: str, shape: tuple[int, ...], seed: int) -> Tensor:
-    """One tensor of `init_weights`: N(0, 0.02) matrix or embedding, zero bias, unit LayerNorm.
+    """One tensor of `init_weights`: N(0, 0.02) matrix or embedding, zero bias, unit norm scale.
 
     Each tensor has its own generator, seeded from `seed` and its name, so a
     device can build only its shard, one tensor at a time, and still hold
@@ -104,7 +108,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int) -> Tensor:
 
 
 def init_weights(config: TransformerConfig, seed: int) -> dict[str, Tensor]:
-    """Random weights as BERT and GPT-2 initialise them, deterministic in `seed`.
+    """Random weights as BERT, GPT-2 and Llama initialise them, deterministic in `seed`.
 
     Private generators (`init_tensor`) leave the global RNG alone.
     """
@@ -146,6 +150,7 @@ def forward(
     x = blocks.embed(ids, w, config, offset)
     for i in range(config.layers):
         q, k, v = blocks.qkv(blocks.attention_input(x, w, i, config), w, i, every_head, config)
+        q, k = blocks.rotate(q, k, offset, config)
         if cache is not None:
             k, v = cache.extend(i, k, v)
         context = blocks.attend(q, k, v, config.causal, offset)
@@ -207,16 +212,24 @@ def weight_bytes(
     """Bytes of one layer's MHA weights, one layer's MLP weights, and everything else.
 
     These are the planner's M_att and M_mlp (Galaxy §III-C), the weights tensor
-    parallelism splits; "other" (embeddings, LayerNorms, heads) every device keeps whole.
+    parallelism splits; "other" (embeddings, norms, heads) every device keeps whole.
+    Counted from the config's options, so it equals the sum over `expected_shapes`.
 
     Returns:
         `{"attention": ..., "mlp": ..., "other": ...}`.
 
     """
-    h, f = config.hidden, config.ffn
-    attention = 4 * h * h + 4 * h
-    mlp = 2 * h * f + f + h
-    other = (config.vocab_size + config.max_positions) * h + config.layers * 4 * h + 2 * h
+    h, f, kv = config.hidden, config.ffn, config.kv_hidden
+    attention = 2 * h * h + 2 * kv * h
+    attention += (h + 2 * kv) * config.qkv_bias + h * config.o_bias
+    mats = 3 if config.activation == "swiglu" else 2
+    mlp = mats * h * f + ((mats - 1) * f + h) * config.mlp_bias
+    norm = 2 * h if config.norm == "layer" else h
+    other = config.vocab_size * h + (2 * config.layers + 1) * norm
+    if config.positions == "absolute":
+        other += config.max_positions * h
+    if not config.tied_head:
+        other += config.vocab_size * h
     if config.num_classes:
         other += h * h + h + config.num_classes * (h + 1)
     return {

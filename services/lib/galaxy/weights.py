@@ -1,5 +1,8 @@
 """Where served weights come from: `transformers` models and our training zoo.
 
+`transformers` models: GPT-2, BERT and the Llama family (Llama, Mistral, Qwen2,
+which share one tensor layout and differ in biases and the attention window).
+
 Both are renamed into the flat dict of `common.galaxy.config` and checked
 tensor by tensor against the shape the config implies, so a model that does
 not fit fails here with the offending name instead of deep inside a GEMM.
@@ -7,6 +10,7 @@ not fit fails here with the offending name instead of deep inside a GEMM.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -23,27 +27,42 @@ if TYPE_CHECKING:
 __all__ = ["check_weights", "expected_shapes", "from_bert_small", "from_transformers"]
 
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+_LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2")
+"""transformers architectures whose tensors are named alike (`model.layers.{i}.self_attn...`)."""
 
 
 def expected_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor `config` needs, by name, with its shape."""
-    h, f = config.hidden, config.ffn
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed.token": (config.vocab_size, h),
-        "embed.position": (config.max_positions, h),
-    }
+    """Every tensor `config` needs, by name, with its shape (its options decide which)."""
+    h, f, kv = config.hidden, config.ffn, config.kv_hidden
+    shapes: dict[str, tuple[int, ...]] = {"embed.token": (config.vocab_size, h)}
+    if config.positions == "absolute":
+        shapes["embed.position"] = (config.max_positions, h)
     norms = ["embed.norm"] if config.kind == "encoder" else ["final_norm"]
+    mlp = ("gate", "up") if config.activation == "swiglu" else ("up",)
     for i in range(config.layers):
-        for name in ("q", "k", "v", "o"):
-            shapes[layer_key(i, f"{name}.weight")] = (h, h)
-            shapes[layer_key(i, f"{name}.bias")] = (h,)
-        shapes[layer_key(i, "up.weight")] = (f, h)
-        shapes[layer_key(i, "up.bias")] = (f,)
+        for name, rows, bias in (
+            ("q", h, config.qkv_bias),
+            ("k", kv, config.qkv_bias),
+            ("v", kv, config.qkv_bias),
+            ("o", h, config.o_bias),
+        ):
+            shapes[layer_key(i, f"{name}.weight")] = (rows, h)
+            if bias:
+                shapes[layer_key(i, f"{name}.bias")] = (rows,)
+        for name in mlp:
+            shapes[layer_key(i, f"{name}.weight")] = (f, h)
+            if config.mlp_bias:
+                shapes[layer_key(i, f"{name}.bias")] = (f,)
         shapes[layer_key(i, "down.weight")] = (h, f)
-        shapes[layer_key(i, "down.bias")] = (h,)
+        if config.mlp_bias:
+            shapes[layer_key(i, "down.bias")] = (h,)
         norms += [layer_key(i, "ln1"), layer_key(i, "ln2")]
     for prefix in norms:
-        shapes[f"{prefix}.weight"] = shapes[f"{prefix}.bias"] = (h,)
+        shapes[f"{prefix}.weight"] = (h,)
+        if config.norm == "layer":
+            shapes[f"{prefix}.bias"] = (h,)
+    if not config.tied_head:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
     if config.num_classes:
         shapes["pool.weight"], shapes["pool.bias"] = (h, h), (h,)
         shapes["classify.weight"] = (config.num_classes, h)
@@ -75,29 +94,130 @@ def _take(sd: Mapping[str, Tensor], key: str) -> Tensor:
 
 
 def from_transformers(model: nn.Module) -> tuple[TransformerConfig, dict[str, Tensor]]:
-    """Config and weights of a `transformers` GPT-2 or BERT model.
+    """Config and weights of a `transformers` GPT-2, BERT or Llama-family model.
 
     GPT2LMHeadModel / GPT2Model become a decoder; BertModel and
     BertForSequenceClassification an encoder, with token type 0 folded into the
-    position table so serving needs no segment ids.
+    position table so serving needs no segment ids; Llama, Mistral and Qwen2
+    (the causal LM or the bare model) a decoder with RMSNorm, rotary positions,
+    SwiGLU and grouped-query attention.
 
     Raises:
         ConfigError: For another model class, an activation or position scheme we
-            do not compute, an untied LM head, or a missing or misshapen tensor.
+            do not compute, a GPT-2 with an untied LM head, or a missing or
+            misshapen tensor.
 
     """
     transformers = require("transformers", "converting a transformers model")
 
+    llamas = tuple(
+        getattr(transformers, f"{arch}{suffix}")
+        for arch in _LLAMA_FAMILY
+        for suffix in ("ForCausalLM", "Model")
+    )
     if isinstance(model, transformers.GPT2LMHeadModel | transformers.GPT2Model):
         config, w = _from_gpt2(model, transformers.GPT2LMHeadModel)
     elif isinstance(model, transformers.BertForSequenceClassification | transformers.BertModel):
         config, w = _from_bert(model, transformers.BertForSequenceClassification)
+    elif isinstance(model, llamas):
+        config, w = _from_llama(model)
     else:
         raise ConfigError(
-            "from_transformers takes GPT2LMHeadModel, GPT2Model, BertModel or "
-            f"BertForSequenceClassification, got {type(model).__name__}"
+            "from_transformers takes GPT2LMHeadModel, GPT2Model, BertModel, "
+            "BertForSequenceClassification or a Llama, Mistral or Qwen2 model "
+            f"(ForCausalLM or Model), got {type(model).__name__}"
         )
     check_weights(config, w)
+    return config, w
+
+
+def _rope_theta(hf: Any) -> float:
+    """The rotary base of a Llama-family config, refusing scaled RoPE we do not compute.
+
+    transformers 5 keeps it in `rope_parameters`; earlier versions in
+    `rope_theta`, with any scaling in `rope_scaling`.
+    """
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(f"rotary scaling {kind!r} is not computed; only plain RoPE is")
+    return float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+
+
+def _llama_config(model: nn.Module) -> TransformerConfig:
+    hf: Any = model.config
+    if hf.hidden_act != "silu":
+        raise ConfigError(f"Llama-family activation must be 'silu', got {hf.hidden_act!r}")
+    hidden, heads = int(hf.hidden_size), int(hf.num_attention_heads)
+    head_dim = getattr(hf, "head_dim", None)
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise ConfigError(
+            f"head_dim {head_dim} times {heads} heads must be the hidden size {hidden}"
+        )
+    if (getattr(hf, "pretraining_tp", 1) or 1) != 1:
+        raise ConfigError(f"pretraining_tp must be 1, got {hf.pretraining_tp}")
+    max_positions = int(hf.max_position_embeddings)
+    window = getattr(hf, "sliding_window", None)
+    if window is not None and getattr(hf, "use_sliding_window", True):
+        # a sequence no longer than the window never meets its mask: serve only those
+        max_positions = min(max_positions, int(window))
+    qwen = type(model).__name__.startswith("Qwen2")
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    return TransformerConfig(
+        kind="decoder",
+        layers=int(hf.num_hidden_layers),
+        hidden=hidden,
+        heads=heads,
+        ffn=int(hf.intermediate_size),
+        vocab_size=int(hf.vocab_size),
+        max_positions=max_positions,
+        ln_eps=float(hf.rms_norm_eps),
+        kv_heads=int(hf.num_key_value_heads or heads),
+        norm="rms",
+        positions="rope",
+        rope_theta=_rope_theta(hf),
+        mlp="swiglu",
+        qkv_bias=qwen or attention_bias,
+        o_bias=attention_bias and not qwen,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        tied_head=bool(getattr(hf, "tie_word_embeddings", False)),
+    )
+
+
+def _from_llama(model: nn.Module) -> tuple[TransformerConfig, dict[str, Tensor]]:
+    config = _llama_config(model)
+    sd = model.state_dict()
+    p = "model." if "model.embed_tokens.weight" in sd else ""
+    w = {
+        "embed.token": _take(sd, f"{p}embed_tokens.weight"),
+        "final_norm.weight": _take(sd, f"{p}norm.weight"),
+    }
+    if p:  # a causal LM: its head, unless tied to the embedding
+        head = _take(sd, "lm_head.weight")
+        if not config.tied_head:
+            w["lm_head.weight"] = head
+        elif not torch.equal(head, w["embed.token"]):
+            raise ConfigError("tie_word_embeddings is set but lm_head differs from embed_tokens")
+    elif not config.tied_head:  # the bare model has no head: logits through the embedding
+        config = dataclasses.replace(config, tied_head=True)
+    pairs = {
+        "q": "self_attn.q_proj",
+        "k": "self_attn.k_proj",
+        "v": "self_attn.v_proj",
+        "o": "self_attn.o_proj",
+        "gate": "mlp.gate_proj",
+        "up": "mlp.up_proj",
+        "down": "mlp.down_proj",
+        "ln1": "input_layernorm",
+        "ln2": "post_attention_layernorm",
+    }
+    shapes = expected_shapes(config)
+    for i in range(config.layers):
+        for ours, theirs in pairs.items():
+            for part in ("weight", "bias"):
+                if layer_key(i, f"{ours}.{part}") in shapes:
+                    key = f"{p}layers.{i}.{theirs}.{part}"
+                    w[layer_key(i, f"{ours}.{part}")] = _take(sd, key)
     return config, w
 
 

@@ -19,6 +19,7 @@ the commands out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -304,6 +305,11 @@ def _waited(serve: Serve, wait: core.Wait, event: core.Event, now: float) -> Out
             return serve, [*out, *more]
         if isinstance(cmd, Lost):
             return _lost(replace(serve, wait=None), cmd.devices, cmd.reason, now, out)
+        if isinstance(cmd, Fail) and serve.replanning and serve.phase == "profiling":
+            # devices joining failed to profile: the job goes on without them, for good
+            refused = sorted(wait.want - set(serve.profiles))
+            serve = replace(serve, gone={**serve.gone, **{d: math.inf for d in refused}})
+            return _lost(replace(serve, wait=None), refused, cmd.reason, now, out)
         if isinstance(cmd, Fail):
             return step_failed(replace(serve, wait=None), cmd.reason, out)
         out.append(cmd)
@@ -343,19 +349,28 @@ def _probe_answered(serve: Serve, event: ProbeAnswer, now: float) -> Out:
 def _lost(serve: Serve, gone: list[DeviceId], reason: str, now: float, out: list[Command]) -> Out:
     """Re-plan on the survivors under a new epoch; end the job if they cannot hold the model.
 
-    Only once the shards were planned (a loss while joining or profiling fails
-    the job, as before any request it is cheaper to start again). The request
-    in flight stays in flight: it runs again once the new shards are loaded.
+    Only once the shards were planned (a loss while joining or first profiling
+    fails the job: before any request it is cheaper to start again). A device
+    lost while joining the job is simply left out. The request in flight stays
+    in flight: it runs again once the new shards are loaded.
     """
-    if serve.phase not in ("loading", "serving") or not serve.profiles:
+    joining = serve.replanning and serve.phase == "profiling"
+    if not (joining or serve.phase in ("loading", "serving")) or not serve.profiles:
         return step_failed(serve, reason, out)
-    left = survivors(serve, gone)
+    left = [d for d in survivors(serve, gone) if d in serve.profiles]
     if (short := shortfall(serve, left)) is not None:
         why = f"{reason}; the survivors {left} cannot hold the model: {short}"
         return step_failed(serve, why, out)
     record = serve.phase == "serving" or serve.replanning
+    kept = {d: at for d, at in serve.gone.items() if d in gone}  # refused joiners stay out
     serve = lost(serve, gone, reason, now)
-    serve = replace(serve, devices=tuple(left), epoch=serve.epoch + 1, replanning=False)
+    serve = replace(
+        serve,
+        gone={**serve.gone, **kept},
+        devices=tuple(left),
+        epoch=serve.epoch + 1,
+        replanning=False,
+    )
     fields = {"lost": list(gone), "survivors": list(left), "epoch": serve.epoch}
     out = [*out, Log("warning", "devices lost; re-planning on the survivors", fields)]
     if record:

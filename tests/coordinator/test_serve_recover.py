@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from common.ids import DeviceId
+from common.messages import WorkerError
 from common.serving_messages import LoadShard, ProfileBlocks, RunInference, ShardLoaded
 from services.coordinator.core import Log, Reply, SendProbe
 from services.coordinator.job_state import Send, SetAssigned
@@ -166,11 +167,30 @@ def test_a_worker_failing_its_load_after_a_loss_fails_the_job():
     s = Script(spec_of(mode="megatron"))
     devices = running_request(s)
     lose(s, devices[2])
-    from common.messages import WorkerError
-
     err = WorkerError(device=devices[0], epoch=EPOCH + 1, round=0, error="out of memory")
     out = s.feed(Reply(devices[0], err), at=6.0)
     assert records(out) == ["failed"]
     [(peer, reply)] = answers(out)
     assert peer == "alice" and "out of memory" in reply.error
     assert sent(ShardLoaded, out) == []
+
+
+def test_a_joining_worker_that_fails_to_profile_is_left_out_and_the_job_goes_on():
+    s = Script(spec_of(mode="galaxy"))
+    devices = s.serving()
+    s.ask("alice", [1], at=1.0)
+    s.tick(at=1.0)
+    lose(s, devices[0])
+    s.loaded(s.serve.devices, epoch=EPOCH + 1)
+    s.done(s.serve.devices[0], 1, [], at=6.0, epoch=EPOCH + 1)
+    s.beat([D], at=6.5)
+    s.tick(at=6.5)
+    assert s.serve.phase == "profiling"
+    err = WorkerError(device=D, epoch=EPOCH + 2, round=0, error="no memory to profile")
+    out = s.feed(Reply(D, err), at=7.0)
+    assert s.serve.phase == "loading" and D not in s.serve.devices
+    loads = sent(LoadShard, out)
+    assert sorted(d for d, _ in loads) == sorted(devices[1:])
+    s.loaded(s.serve.devices, epoch=EPOCH + 3)
+    assert s.serve.phase == "serving"
+    assert sent(ProfileBlocks, s.tick(at=8.0)) == []  # not asked again

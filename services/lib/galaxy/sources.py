@@ -26,8 +26,10 @@ from services.lib.galaxy.model import init_tensor
 from services.lib.galaxy.weights import expected_shapes, from_bert_small, from_transformers
 
 __all__ = [
+    "cut_of",
     "from_checkpoint",
     "init_shard",
+    "kv_range",
     "shard",
     "transformers_model",
     "transformers_weights",
@@ -104,20 +106,57 @@ def from_checkpoint(
     return config, w, chosen
 
 
+_ROW_CUTS = ("q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias")
+_FFN_ROW_CUTS = ("up.weight", "up.bias", "gate.weight", "gate.bias")
+_WHOLE = slice(None)
+
+
+def kv_range(config: TransformerConfig, heads: range) -> range:
+    """The key/value heads that query `heads` use (the same range without GQA).
+
+    Under grouped-query attention `heads / kv_heads` query heads share one key
+    and value head, so a device's query heads must be whole groups: its keys and
+    values are then only its own groups' rows.
+
+    Raises:
+        ConfigError: If `heads` splits a group.
+
+    """
+    group = config.group_size
+    if heads.start % group or heads.stop % group:
+        raise ConfigError(
+            f"heads {heads.start}..{heads.stop - 1} split a key/value group of {group} "
+            f"query heads ({config.heads} heads, {config.kv_groups} key/value heads)"
+        )
+    return range(heads.start // group, heads.stop // group)
+
+
+def cut_of(name: str, config: TransformerConfig, heads: range, cols: range) -> tuple[slice, slice]:
+    """The rows and columns of model tensor `name` a device keeps for `heads` and MLP `cols`.
+
+    One rule for every source: `shard` cuts a whole tensor with it, and a model
+    folder is read through it slice by slice (`pretrained.load_shard`).
+    """
+    d = config.head_dim
+    kind = name.split(".", 2)[2] if name.startswith("layers.") else ""  # "layers.3.q.weight"
+    if kind in _ROW_CUTS:
+        cut = heads if kind[0] == "q" else kv_range(config, heads)
+        return slice(cut.start * d, cut.stop * d), _WHOLE
+    if kind == "o.weight":
+        return _WHOLE, slice(heads.start * d, heads.stop * d)
+    if kind in _FFN_ROW_CUTS:
+        return slice(cols.start, cols.stop), _WHOLE
+    if kind == "down.weight":
+        return _WHOLE, slice(cols.start, cols.stop)
+    return _WHOLE, _WHOLE
+
+
 def _cut(name: str, tensor: Tensor, config: TransformerConfig, heads: range, cols: range) -> Tensor:
     """The part of model tensor `name` a device keeps for `heads` and MLP `cols`."""
-    d = config.head_dim
-    rows, ffn = slice(heads.start * d, heads.stop * d), slice(cols.start, cols.stop)
-    kind = name.split(".", 2)[2] if name.startswith("layers.") else ""  # "layers.3.q.weight"
-    if kind in ("q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias"):
-        return tensor[rows].clone()
-    if kind == "o.weight":
-        return tensor[:, rows].clone()
-    if kind in ("up.weight", "up.bias"):
-        return tensor[ffn].clone()
-    if kind == "down.weight":
-        return tensor[:, ffn].clone()
-    return tensor
+    rows, columns = cut_of(name, config, heads, cols)
+    if rows == _WHOLE and columns == _WHOLE:
+        return tensor
+    return tensor[rows].clone() if columns == _WHOLE else tensor[:, columns].clone()
 
 
 def shard(

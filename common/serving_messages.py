@@ -58,6 +58,8 @@ MAX_WAIT_S = 3600.0
 MAX_OUTPUT = 100_000
 """Most numbers an answer's output row may hold (GPT-2's 50,257-token vocabulary fits):
 the control plane carries no tensor frames, so the row travels in the header."""
+MAX_PATH = 4096
+"""Longest model folder path a serving spec may name."""
 MAX_PROFILE_POINTS = 64
 """Most partition sizes one block is timed at."""
 TAG_PATTERN = r"^[A-Za-z0-9_.:/@-]{1,96}$"
@@ -102,14 +104,24 @@ class ServeSpec(WireModel):
     """What to serve and how: the model's source, the devices and the parallelism."""
 
     serve_id: JobId = Field(pattern=JOB_ID_PATTERN, description="Name of this serving job.")
-    source: Literal["init", "transformers", "checkpoint"] = Field(
+    source: Literal["init", "transformers", "checkpoint", "pretrained"] = Field(
         "init",
         description="Weights: `init` (random, seeded), `transformers` (built by the "
-        "transformers library from the shape, seeded) or `checkpoint` (a bert_small "
-        "training job's committed checkpoint).",
+        "transformers library from the shape, seeded), `checkpoint` (a bert_small "
+        "training job's committed checkpoint) or `pretrained` (a model folder: config.json "
+        "and safetensors, at `path` on every device).",
     )
     model: TransformerShape | None = Field(
-        None, description="The shape, for `init` and `transformers` (a checkpoint has its own)."
+        None,
+        description="The shape, for `init`, `transformers` and `pretrained` (the folder's, "
+        "filled in by whoever submits: `asteroid serve` reads it); a checkpoint has its own.",
+    )
+    path: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_PATH,
+        pattern=r"^/[^\x00-\x1f]*$",
+        description="The model folder of `pretrained`, an absolute path, the same on every device.",
     )
     seed: int = Field(0, ge=0, le=2**31 - 1)
     job: JobId | None = Field(None, pattern=JOB_ID_PATTERN, description="The training job.")
@@ -148,6 +160,15 @@ class ServeSpec(WireModel):
 
     @model_validator(mode="after")
     def _source_named(self) -> ServeSpec:
+        if self.source == "pretrained" and self.path is None:
+            raise ValueError("source pretrained needs `path` (the model folder on each device)")
+        if self.source != "pretrained" and self.path is not None:
+            raise ValueError(f"`path` is for source pretrained, not {self.source}")
+        if self.source == "pretrained" and self.model is None:
+            raise ValueError(
+                "source pretrained needs `model`: the shape in the folder's config.json "
+                "(asteroid serve fills it in)"
+            )
         if self.source == "checkpoint" and self.job is None:
             raise ValueError("source checkpoint needs `job` (the training job to serve)")
         if self.source != "checkpoint" and self.model is None:

@@ -37,7 +37,7 @@ from common.serving_messages import (
     ShardLoaded,
 )
 from common.store import Store
-from services.lib.galaxy import sources
+from services.lib.galaxy import pretrained, sources
 from services.lib.galaxy.sampling import Sampler
 from services.worker.galaxy import hmp
 from services.worker.galaxy.profiling import profile_blocks
@@ -171,6 +171,11 @@ class Serving:
         elif msg.spec.source == "init":  # tensor by tensor: the whole model is never here
             weights = sources.init_shard(
                 config, msg.spec.seed, plan.head_range(rank), plan.col_range(rank)
+            )
+        elif msg.spec.source == "pretrained" and msg.spec.path is not None:
+            # slice by slice from the folder, after checking it holds the planned model
+            weights = pretrained.load_shard(
+                msg.spec.path, config, plan.head_range(rank), plan.col_range(rank)
             )
         else:
             full = sources.transformers_weights(config, msg.spec.seed)

@@ -65,11 +65,14 @@ class ControlLink(threading.Thread):
         heartbeat: Callable[[], Heartbeat],
         on_preempt: Callable[[str], None],
         keys: CurveKeys | None = None,
+        on_command: Callable[[Message], None] | None = None,
     ) -> None:
+        """`on_command` sees each command as it arrives, before the main thread takes it."""
         super().__init__(name="control", daemon=True)
         self.ctx, self.coordinator, self.device = ctx, coordinator, device
         self.limits, self.heartbeat_s, self.heartbeat = limits, heartbeat_s, heartbeat
         self.on_preempt = on_preempt
+        self.on_command = on_command
         self.keys = keys
         self.inbox: queue.Queue[Envelope] = queue.Queue()
         self.fence = 0
@@ -151,6 +154,8 @@ class ControlLink(threading.Thread):
                     if isinstance(env.msg, Assign | Collect | Shutdown):
                         # a round blocked on a dead peer must not delay these
                         self.on_preempt(f"{env.msg.type} received")
+                    if self.on_command is not None:
+                        self.on_command(env.msg)
                     self.inbox.put(env)
         finally:
             sock.disable_monitor()

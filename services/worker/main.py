@@ -141,6 +141,8 @@ class Worker:
             self._heartbeat,
             self.pool.abort,
             keys,
+            # a new serving shard makes the request under way stale (the main thread runs it)
+            on_command=lambda msg: self.serving.announce(msg),
         )
         self.prober = LinkProber(self.ctx, self.device, keys, self.control.send)
         self.accelerator = describe_accelerator(settings.accelerator)

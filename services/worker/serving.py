@@ -133,6 +133,29 @@ class Serving:
         self.timeout_s = timeout_s
         self.stopped = stopped
         self.served: Served | None = None
+        self._announced: tuple[str, int] | None = None
+        """The (job, epoch) of the newest LoadShard received, set as it arrives."""
+
+    def announce(self, msg: object) -> None:
+        """Called on the control thread as each command arrives, before it is queued.
+
+        A LoadShard of another epoch (the coordinator re-planned after a device
+        loss) makes the request under way stale: its ring waits end at once
+        rather than after `timeout_s`, so the new shard loads without delay.
+        """
+        if isinstance(msg, LoadShard):
+            self._announced = (msg.serve_id, msg.epoch)
+
+    def _stale(self, msg: RunInference) -> Callable[[], str | None]:
+        """The ring's `stopped`: the worker stops, or a newer shard was announced."""
+
+        def stopped() -> str | None:
+            new = self._announced
+            if new is not None and new != (msg.serve_id, msg.epoch):
+                return f"request {msg.round} of epoch {msg.epoch} is stale: epoch {new[1]} loads"
+            return self.stopped()
+
+        return stopped
 
     def profile(self, msg: ProfileBlocks) -> BlocksProfiled:
         """Time the blocks at the sizes asked, on random weights of the served shape."""
@@ -226,7 +249,7 @@ class Serving:
             HmpTile(serve_id=msg.serve_id, epoch=msg.epoch, round=msg.round, tag="-"),
             self.dispatcher,
             self.inbox,
-            self.stopped,
+            self._stale(msg),
             self.compute,
         )
         ids = torch.tensor(msg.ids, dtype=torch.int64, device=self.compute)

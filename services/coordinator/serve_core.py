@@ -270,7 +270,14 @@ def _loaded(serve: Serve, replies: Mapping[DeviceId, Message], now: float) -> Ou
     weights = {d: getattr(m, "weight_bytes", 0) for d, m in replies.items()}
     out: list[Command] = [
         Log("info", "shards loaded", {"weight_bytes": weights}),
-        Record("running", {"plan": plan.model_dump(mode="json")}),
+        Record(
+            "running",
+            {
+                "plan": plan.model_dump(mode="json"),
+                # what the plan was priced on: lets a report set predictions beside measurements
+                "profiles": {d: p.model_dump(mode="json") for d, p in serve.profiles.items()},
+            },
+        ),
         Log(
             "info",
             "serving",

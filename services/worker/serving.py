@@ -41,7 +41,7 @@ from services.lib.galaxy import pretrained, sources
 from services.lib.galaxy.sampling import Sampler
 from services.worker.galaxy import hmp
 from services.worker.galaxy.profiling import profile_blocks
-from services.worker.tiles import Expecting, TileInbox, ZmqRing
+from services.worker.tiles import Expecting, TileInbox, ZmqRing, measure_step_s
 from services.worker.transfers import to_device
 from services.worker.transport import Dispatcher
 
@@ -170,6 +170,9 @@ class Serving:
             device=self.device,
             compute=self.compute,
         )
+        # the ring's own work per step (a two-device split's tile), for the cost model
+        step_s = measure_step_s(self.device, max(1, msg.seq_len // 2), config.hidden)
+        profile = profile.model_copy(update={"step_s": step_s})
         return BlocksProfiled(
             device=self.device, serve_id=msg.serve_id, epoch=msg.epoch, profile=profile
         )

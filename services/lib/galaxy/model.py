@@ -45,17 +45,17 @@ class KVCache:
 
         Raises:
             ConfigError: If the model is an encoder (bidirectional attention leaves
-                nothing to reuse), or `heads` is not a non-empty step-1 range of its
-                heads made of whole KV groups.
+                nothing to reuse), or `heads` is not a step-1 range of its heads made
+                of whole KV groups. It may be empty: a device without heads still
+                counts the positions cached (its tensors have no heads).
 
         """
         if config.kind != "decoder":
             raise ConfigError(f"a KV cache needs a causal decoder, got a {config.kind}")
         heads = range(config.heads) if heads is None else heads
-        if heads.step != 1 or heads.start < 0 or heads.stop > config.heads or not heads:
+        if heads.step != 1 or heads.start < 0 or heads.stop > config.heads:
             raise ConfigError(
-                f"cache heads must be a non-empty step-1 range within [0, {config.heads}), "
-                f"got {heads}"
+                f"cache heads must be a step-1 range within [0, {config.heads}), got {heads}"
             )
         self.config = config
         self.heads = heads

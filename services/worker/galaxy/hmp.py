@@ -12,6 +12,12 @@ ids; together they compute what `model.forward` computes on one device:
   values of all rows are gathered (two AllGathers per MHA block).
 - local: one device runs `model.forward`.
 
+Llama-family models run in every mode too: rotary positions are applied where
+the rows' positions are known (after the gather in galaxy, on own rows before
+the key/value gather in sp), and under grouped-query attention heads are split
+in whole KV groups, so a device's query heads find their keys and values on
+the device itself and its KV cache holds only its own groups.
+
 Every device returns the same logits (bit for bit): the final hidden rows are
 gathered everywhere, so a decode loop on each device picks the same next token
 without another message. A call with fewer rows than planned (a decode step)
@@ -166,6 +172,7 @@ def _prepare(
     heads = _share(layout.heads, rank, config.heads, "heads") if split_weights else None
     cols = _share(layout.cols, rank, config.ffn, "cols") if split_weights else None
     heads = heads if heads is not None else range(config.heads)
+    config.kv_range(heads)  # a share that cuts a KV group is refused here, named
     counts = placement(layout.rows, t) if split_rows else [t] * world
     if cache is not None and (cache.config != config or cache.heads != heads):
         raise ConfigError(f"device {rank} needs a cache of heads {heads}, got {cache.heads}")
@@ -191,9 +198,11 @@ def _prepare(
 def new_cache(layout: Layout, rank: int, config: TransformerConfig) -> model.KVCache:
     """The KV cache device `rank` keeps: its own heads (galaxy, megatron) or all (sp, local).
 
+    Under grouped-query attention that is its heads' KV groups. A device without
+    heads keeps an empty one, which still counts the decode position.
+
     Raises:
-        ConfigError: If the device has no heads (without a cache it could not know
-            the decode position), or the model is an encoder.
+        ConfigError: If its heads cut a KV group, or the model is an encoder.
 
     """
     if layout.mode not in ("galaxy", "megatron"):
@@ -267,7 +276,9 @@ def _galaxy_layer(s: _Step, i: int, x: Tensor, tag: str) -> Tensor:
         return _heads_to_rows(torch.cat(blocks.qkv(a, w, i, s.wheads, cfg), dim=0))
 
     gathered = s.gather(f"{tag}/qkv", blocks.attention_input(x, w, i, cfg), qkv_rows)
-    q, k, v = _rows_to_heads(gathered, cfg.head_dim).chunk(3, dim=0)
+    nq, nkv = len(s.heads), len(cfg.kv_range(s.heads))
+    q, k, v = _rows_to_heads(gathered, cfg.head_dim).split([nq, nkv, nkv], dim=0)
+    q, k = blocks.rotate(q, k, s.offset, cfg)  # every row is here now, from position offset
     context = _attend(s, i, q, k, v, s.offset)
     attn = s.scatter(f"{tag}/o", context, lambda c: blocks.out_partial(c, w, i, s.wheads))
     h, mlp_in = blocks.after_attention(x, attn, w, i, cfg)
@@ -280,6 +291,7 @@ def _megatron_layer(s: _Step, i: int, x: Tensor, tag: str) -> Tensor:
     """One layer in TP: own heads and columns over all rows, AllReduce after each block."""
     w, cfg = s.w, s.cfg
     q, k, v = blocks.qkv(blocks.attention_input(x, w, i, cfg), w, i, s.wheads, cfg)
+    q, k = blocks.rotate(q, k, s.offset, cfg)
     context = _attend(s, i, q, k, v, s.offset)
     attn = s.reduce(f"{tag}/o", context, lambda c: blocks.out_partial(c, w, i, s.wheads))
     h, mlp_in = blocks.after_attention(x, attn, w, i, cfg)
@@ -292,6 +304,7 @@ def _sp_layer(s: _Step, i: int, x: Tensor, tag: str) -> Tensor:
     """One layer in SP: the whole model on own rows; keys and values of all rows gathered."""
     w, cfg = s.w, s.cfg
     q, k, v = blocks.qkv(blocks.attention_input(x, w, i, cfg), w, i, s.wheads, cfg)
+    q, k = blocks.rotate(q, k, s.offset + s.start, cfg)  # own rows, before keys travel
     k, v = (
         _rows_to_heads(
             all_gather(s.ring, f"{tag}/{n}", _heads_to_rows(y), s.counts, timeout_s=s.timeout_s),

@@ -13,8 +13,10 @@ least 256. Generated ids below 256 are decoded the same way.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import closing
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -23,9 +25,17 @@ from common.exit_codes import ExitCode
 from services.cli.console import CliConsole, shown
 
 if TYPE_CHECKING:
-    from common.serving_messages import InferReply, ServeSpec
+    from common.curve import CurveKeys
+    from common.serving_messages import InferChunk, InferReply, ServeSpec
 
-__all__ = ["infer", "infer_request", "load_serve_spec", "serve"]
+__all__ = [
+    "infer",
+    "infer_request",
+    "load_serve_spec",
+    "pretrained_fields",
+    "serve",
+    "stream_request",
+]
 
 console = CliConsole()
 
@@ -35,31 +45,126 @@ CoordinatorOpt = Annotated[
 ]
 
 
+def pretrained_fields(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A pretrained spec's fields with its folder made absolute and its `model` read from it.
+
+    A relative `path` is taken from `base` (the spec file's folder) and `~` is
+    expanded, since every device must find the folder under the same absolute
+    path. The shape comes from the folder's config.json when the spec gives none,
+    and must equal it when the spec gives one; a folder that is only on the
+    devices, not here, needs `model` in the spec. Other sources pass unchanged.
+
+    Raises:
+        ConfigError: The folder's config.json cannot be served, or differs from `model`.
+
+    """
+    if data.get("source") != "pretrained" or not isinstance(data.get("path"), str):
+        return data
+    folder = (base / Path(data["path"]).expanduser()).resolve()
+    out = {**data, "path": str(folder)}
+    given = out.get("model")
+    if given is not None and not folder.is_dir():
+        return out  # the devices check the folder against the shape
+    from pydantic import ValidationError
+
+    from common.serving_messages import TransformerShape
+    from services.lib.galaxy.pretrained import read_shape
+
+    shape = read_shape(folder)
+    if given is None:
+        return {**out, "model": shape.model_dump()}
+    try:
+        claimed = TransformerShape.model_validate(given)
+    except ValidationError:
+        return out  # reported field by field with the rest of the spec
+    differ = {k: v for k, v in claimed.model_dump().items() if getattr(shape, k) != v}
+    if differ:
+        theirs = {k: getattr(shape, k) for k in differ}
+        raise ConfigError(f"model {differ} differs from {folder}/config.json: {theirs}")
+    return out
+
+
 def load_serve_spec(path: Path) -> ServeSpec:
     """Read a serving spec from YAML or JSON; the error names the file and the field."""
     from common.serving_messages import ServeSpec
     from common.spec_files import load_spec_file
 
-    spec = load_spec_file(path, ServeSpec, "serving spec")
+    spec = load_spec_file(
+        path, ServeSpec, "serving spec", lambda data: pretrained_fields(data, path.parent)
+    )
     if spec.model is not None:
         spec.model.config()  # a shape no plan can split is refused here, not on the devices
     return spec
 
 
-def infer_request(
-    address: str, serve_id: str, ids: list[int], new_tokens: int = 0, timeout_s: float = 120.0
-) -> InferReply:
-    """Run one request on serving job `serve_id` and return the coordinator's answer."""
-    from common.serving_messages import MAX_WAIT_S, InferReply, InferRequest
-    from services.cli.client import request
+def stream_request(
+    address: str,
+    serve_id: str,
+    ids: list[int],
+    new_tokens: int = 0,
+    timeout_s: float = 120.0,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop: list[int] | None = None,
+    stream: bool = True,
+) -> Generator[InferChunk | InferReply, None, None]:
+    """Run one request on serving job `serve_id`: its chunks (with `stream`), then its reply.
+
+    With ASTEROID_KEYS set (the key set holding this operator's one secret key),
+    the request goes over CURVE as that operator, identity NAME/SESSION.
+    """
+    from common.serving_messages import MAX_WAIT_S, InferRequest
+    from services.lib.infer_client import stream_infer
 
     # the coordinator answers a request whose turn did not come in time, before we give up
     wait_s = min(max(timeout_s * 0.8, 0.1), MAX_WAIT_S)
-    msg = InferRequest(serve_id=serve_id, ids=ids, new_tokens=new_tokens, wait_s=wait_s)
-    reply = request(address, msg, InferReply, timeout_s).msg
-    if not isinstance(reply, InferReply):  # request returns only the kind asked for
-        raise AsteroidError(f"expected an infer_reply, got {reply.type}")
-    return reply
+    msg = InferRequest(
+        serve_id=serve_id,
+        ids=ids,
+        new_tokens=new_tokens,
+        wait_s=wait_s,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=stop or [],
+        stream=stream,
+    )
+    return stream_infer(address, msg, _operator_keys(), timeout_s=timeout_s)
+
+
+def infer_request(
+    address: str,
+    serve_id: str,
+    ids: list[int],
+    new_tokens: int = 0,
+    timeout_s: float = 120.0,
+    **sampling: Any,
+) -> InferReply:
+    """Run one request on serving job `serve_id` and return the coordinator's answer.
+
+    `sampling`: `temperature`, `top_p`, `seed`, `stop` as `stream_request` takes them.
+    """
+    from common.serving_messages import InferReply
+
+    answers = stream_request(
+        address, serve_id, ids, new_tokens, timeout_s, **sampling, stream=False
+    )
+    with closing(answers):
+        for answer in answers:
+            if isinstance(answer, InferReply):
+                return answer
+    raise AsteroidError(f"the coordinator at {address} sent no infer_reply")
+
+
+def _operator_keys() -> CurveKeys | None:
+    import os
+
+    from common.curve import load_keys
+
+    keys_dir = os.environ.get("ASTEROID_KEYS")
+    return load_keys(Path(keys_dir) if keys_dir else None, "operator")
 
 
 def _fail(exc: Exception, code: ExitCode = ExitCode.CONFIG) -> typer.Exit:
@@ -115,15 +220,50 @@ def infer(
     timeout: Annotated[
         float, typer.Option(min=0.1, help="Seconds to wait for the answer.")
     ] = 120.0,
+    temperature: Annotated[
+        float, typer.Option(min=0.0, max=2.0, help="0: greedy; above: sampling.")
+    ] = 0.0,
+    top_p: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Sample from this much probability mass.")
+    ] = 1.0,
+    seed: Annotated[
+        int, typer.Option(min=0, help="Seed of the sampling: same seed, same text.")
+    ] = 0,
+    stop: Annotated[
+        str | None, typer.Option(help="Token ids that end generation, e.g. 50256.")
+    ] = None,
+    stream: Annotated[bool, typer.Option(help="Print tokens as they are generated.")] = False,
 ) -> None:
     """Send one request to a serving job and print the answer and its latency."""
     if (ids is None) == (prompt is None):
         raise _fail(ConfigError("give exactly one of --ids and --prompt"), ExitCode.CONFIG)
+    from common.serving_messages import InferReply
+
+    reply: InferReply | None = None
     try:
         tokens = _parse_ids(ids) if ids is not None else list((prompt or "").encode())
-        reply = infer_request(_coordinator(coordinator), serve_id, tokens, generate, timeout)
-    except AsteroidError as exc:
+        answers = stream_request(
+            _coordinator(coordinator),
+            serve_id,
+            tokens,
+            generate,
+            timeout,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=_parse_ids(stop) if stop else [],
+            stream=stream,
+        )
+        with closing(answers):
+            for answer in answers:
+                if isinstance(answer, InferReply):
+                    reply = answer
+                else:
+                    console.print(f"tokens: {answer.tokens}")
+    except (AsteroidError, ValueError) as exc:
         raise _fail(exc) from exc
+    if reply is None:
+        raise _fail(AsteroidError("the coordinator sent no infer_reply"))
     if not reply.ok:
         raise _fail(ConfigError(reply.error), ExitCode.JOB_FAILED)
     console.print(
@@ -131,7 +271,7 @@ def infer(
         f" (queued {reply.queued_s * 1e3:.1f} ms)"
     )
     if reply.tokens:
-        console.print(f"generated ids: {reply.tokens}")
+        console.print(f"generated ids: {reply.tokens} (ended by {reply.finish_reason})")
         if prompt is not None and all(t < 256 for t in reply.tokens):
             text = bytes(reply.tokens).decode(errors="replace")
             console.print(f"generated text: {shown(repr(text))}")

@@ -277,7 +277,7 @@ def _galaxy_layer(s: _Step, i: int, x: Tensor, tag: str) -> Tensor:
 
     gathered = s.gather(f"{tag}/qkv", blocks.attention_input(x, w, i, cfg), qkv_rows)
     nq, nkv = len(s.heads), len(cfg.kv_range(s.heads))
-    q, k, v = _rows_to_heads(gathered, cfg.head_dim).split([nq, nkv, nkv], dim=0)
+    q, k, v = torch.split(_rows_to_heads(gathered, cfg.head_dim), [nq, nkv, nkv], dim=0)
     q, k = blocks.rotate(q, k, s.offset, cfg)  # every row is here now, from position offset
     context = _attend(s, i, q, k, v, s.offset)
     attn = s.scatter(f"{tag}/o", context, lambda c: blocks.out_partial(c, w, i, s.wheads))

@@ -7,8 +7,9 @@ traceback.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -20,8 +21,16 @@ __all__ = ["load_spec_file"]
 M = TypeVar("M", bound=BaseModel)
 
 
-def load_spec_file(path: Path, model: type[M], what: str) -> M:
+def load_spec_file(
+    path: Path,
+    model: type[M],
+    what: str,
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> M:
     """`model` read from YAML (or JSON) file `path`; `what` names it in errors ("job").
+
+    `prepare` may complete the fields before they are validated (a serving
+    spec's model shape read from the folder it names); its ConfigError names the file.
 
     Raises:
         ConfigError: The file cannot be read or parsed, is not a mapping, or a
@@ -34,6 +43,11 @@ def load_spec_file(path: Path, model: type[M], what: str) -> M:
         raise ConfigError(f"cannot read {what} {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path}: expected a mapping of fields, got {type(data).__name__}")
+    if prepare is not None:
+        try:
+            data = prepare(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{what} {path}: {exc}") from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:

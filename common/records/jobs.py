@@ -86,6 +86,8 @@ class JobRecord(RecordModel):
     """Pieces a federated job trained."""
     plan: dict[str, Any] | None = None
     """A running serving job's plan."""
+    profiles: dict[str, Any] | None = None
+    """The block profiles a running serving job's plan was priced on, by device."""
 
     @property
     def note(self) -> str:

@@ -407,7 +407,7 @@ def _rejoin(serve: Serve, back: list[DeviceId], now: float) -> Out:
         Log(
             "info", "devices joined; re-planning with them", {"joined": back, "epoch": serve.epoch}
         ),
-        Record("replanning", {"joined": list(back)}),
+        Record("replanning", {"joining": list(back)}),
         SetAssigned(frozenset(devices)),
     ]
     unprofiled = [d for d in back if d not in serve.profiles]

@@ -53,9 +53,9 @@ from tests.bench.galaxy_serve import fresh_workers, serve_cell, set_link
 
 SUBNET = "10.81.0.0/24"
 """No other testbed bench's subnet: they may share a machine."""
-GRID_MODES = ("galaxy", "megatron", "sp", "local")
-SWEEP_MODES = ("galaxy", "galaxy-no-overlap", "megatron", "sp")
-MEMORY_MODES = ("galaxy", "megatron", "sp", "local")
+GRID_MODES = ("galaxy", "megatron", "sp", "local", "auto")
+SWEEP_MODES = ("galaxy", "galaxy-no-overlap", "megatron", "sp", "local", "auto")
+MEMORY_MODES = ("galaxy", "megatron", "sp", "local", "auto")
 BIG_HIDDEN = 768
 """From this width on every job gets new workers: a worker keeps the last job's weights
 while it loads the next and its heap does not shrink, which a 768-wide model's load

@@ -20,6 +20,7 @@ from common.galaxy.config import TransformerConfig
 from common.galaxy.plan import InferencePlan
 from common.galaxy.profile import BlockProfile
 from common.serving_messages import TransformerShape
+from services.coordinator.galaxy.choose import STEP_LATENCY_S
 from services.coordinator.galaxy.cost import predict
 from services.coordinator.galaxy.planner import (
     fits,
@@ -70,8 +71,9 @@ MODELS: dict[str, ModelSize] = {
     "distilbert": ModelSize("encoder", 768, 12, 3072, 6),
     "gpt2": ModelSize("decoder", 768, 12, 3072, 12),
 }
-MODES = ("galaxy", "galaxy-no-overlap", "megatron", "sp", "local")
-"""Labels of the modes compared; galaxy-no-overlap is galaxy with tile overlap off."""
+MODES = ("galaxy", "galaxy-no-overlap", "megatron", "sp", "local", "auto")
+"""Labels of the modes compared; galaxy-no-overlap is galaxy with tile overlap off; auto is
+the plan (mode and devices) the coordinator chooses with the cost model."""
 
 
 def shape(model: str, layers: int) -> TransformerShape:
@@ -128,6 +130,11 @@ class Cell:
     setup_s: float | None = None
     """ServeModel to running: profiling, planning and loading on the devices."""
     note: str = ""
+    predicted_dev_s: float | None = None
+    """The cost model's latency for the plan run, from the profiles the devices sent
+    (what the coordinator planned on, ring step costs included)."""
+    step_s: dict[str, float] = field(default_factory=dict)
+    """Each device's measured ring step cost (`BlockProfile.step_s`)."""
 
     @property
     def overlap(self) -> bool:
@@ -181,6 +188,8 @@ def memory_unaware_plan(
     choose with the budgets and fail only when nothing fits.
     """
     names = list(devices)
+    if mode == "auto":  # the coordinator chooses among the plans that fit
+        return None, []
     try:
         if mode.startswith("galaxy"):
             plan = plan_galaxy(config, names, profiles, budgets, SEQ_LEN, overlap=mode == "galaxy")
@@ -205,7 +214,7 @@ def predicted_s(
     bandwidth_bps: float,
 ) -> tuple[float, float]:
     """The cost model's (total, communication) seconds of one request under `plan`."""
-    p = predict(plan, config, profiles, bandwidth_bps)
+    p = predict(plan, config, profiles, bandwidth_bps, step_latency_s=STEP_LATENCY_S)
     return p.total_s, p.comm_s
 
 

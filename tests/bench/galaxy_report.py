@@ -12,7 +12,7 @@ from typing import Any
 
 from tests.bench.galaxy_cells import MODES, Cell
 
-__all__ = ["ms", "speedup", "tables", "write_charts"]
+__all__ = ["ms", "plan_text", "ratio", "speedup", "tables", "write_charts"]
 
 BASELINES = ("megatron", "sp", "local")
 """What galaxy's speedup is taken over, in the order the tables show them."""
@@ -22,7 +22,8 @@ def ms(cell: Cell | None) -> str:
     """A cell as the tables show it: measured ms (predicted ms), or why there is none."""
     if cell is None:
         return ""
-    pred = "" if cell.predicted_s is None else f" ({1000 * cell.predicted_s:.0f})"
+    guess = cell.predicted_dev_s if cell.predicted_dev_s is not None else cell.predicted_s
+    pred = "" if guess is None else f" ({1000 * guess:.0f})"
     if cell.state == "ok" and cell.median_s is not None:
         return f"{1000 * cell.median_s:.0f}{pred}"
     return {"oom": "OOM", "failed": "failed", "skipped": "not run"}.get(cell.state, cell.state)
@@ -84,6 +85,72 @@ def _overlap(cells: Sequence[Cell]) -> list[str]:
     return lines
 
 
+def plan_text(cell: Cell) -> str:
+    """The plan a cell ran, short: its mode and devices."""
+    plan = cell.plan or {}
+    return f"{plan.get('mode', '?')} on {'+'.join(plan.get('devices', []))}" if plan else ""
+
+
+def ratio(cell: Cell | None) -> float | None:
+    """Predicted (from the devices' own profiles) over measured latency."""
+    if cell is None or cell.median_s is None or cell.predicted_dev_s is None:
+        return None
+    return cell.predicted_dev_s / cell.median_s
+
+
+def _choice(cells: Sequence[Cell]) -> list[str]:
+    head = (
+        "| env | model (layers) | link Mbit/s | auto ms | auto's plan | best other ms (mode) |"
+        " auto / best | auto / local | best split / local | auto predicted / measured |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for (env, model, link), by in _by_mode(cells).items():
+        auto = by.get("auto")
+        if auto is None:
+            continue
+        others = [c for m, c in by.items() if m != "auto" and c.median_s is not None]
+        best = min(others, key=lambda c: c.median_s or 0.0, default=None)
+        splits = [c for c in others if c.mode != "local"]
+        split = min(splits, key=lambda c: c.median_s or 0.0, default=None)
+        r = ratio(auto)
+        lines.append(
+            f"| {env} | {model} ({auto.layers}) | {link:g} | {ms(auto)} | {plan_text(auto)} | "
+            f"{'' if best is None else f'{ms(best)} ({best.mode})'} | {speedup(best, auto)} | "
+            f"{speedup(by.get('local'), auto)} | {speedup(by.get('local'), split)} | "
+            f"{'' if r is None else f'{r:.2f}'} |"
+        )
+    return lines
+
+
+def _accuracy(cells: Sequence[Cell]) -> list[str]:
+    modes = [m for m in MODES if any(ratio(c) is not None and c.mode == m for c in cells)]
+    head = "| env | model (layers) | link Mbit/s |" + "".join(f" {m} |" for m in modes)
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    all_ratios = []
+    for (env, model, link), by in _by_mode(cells).items():
+        got = [ratio(by.get(m)) for m in modes]
+        if all(r is None for r in got):
+            continue
+        all_ratios += [r for r in got if r is not None]
+        row = "".join(f" {'' if r is None else f'{r:.2f}'} |" for r in got)
+        lines.append(f"| {env} | {model} ({next(iter(by.values())).layers}) | {link:g} |{row}")
+    if all_ratios:
+        within = sum(abs(r - 1) <= 0.15 for r in all_ratios)
+        lines += ["", f"{within} of {len(all_ratios)} predictions within 15 % of the measurement."]
+    return lines
+
+
+def _steps(cells: Sequence[Cell]) -> list[str]:
+    lines = ["| env | device | ring step ms (median over its jobs) |", "|---|---|---|"]
+    per: dict[tuple[str, str], list[float]] = {}
+    for c in cells:
+        for d, v in c.step_s.items():
+            per.setdefault((c.env, d), []).append(v)
+    for (env, d), vs in per.items():
+        lines.append(f"| {env} | {d} | {1000 * sorted(vs)[len(vs) // 2]:.2f} |")
+    return lines
+
+
 def _planning(planning: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| devices | model | plan_galaxy median ms |", "|---|---|---|"]
     lines += [
@@ -109,6 +176,9 @@ def tables(cells: Sequence[Cell], planning: Sequence[dict[str, Any]]) -> list[st
             _grid([c for c in cells if c.part == "grid"], False),
         ),
         ("Bandwidth sweep (Fig. 8)", _grid([c for c in cells if c.part == "sweep"], True)),
+        ("The planner's choice (auto) against every mode", _choice(cells)),
+        ("Predicted / measured, from the devices' own profiles", _accuracy(cells)),
+        ("Ring step cost each device measured when profiling", _steps(cells)),
         ("Tile overlap on vs off (galaxy)", _overlap([c for c in cells if c.part != "memory"])),
         (
             "Memory: plans that do not fit the budgets",
@@ -132,6 +202,7 @@ STYLE = {
     "megatron": "tab:orange",
     "sp": "tab:green",
     "local": "tab:gray",
+    "auto": "tab:red",
 }
 
 

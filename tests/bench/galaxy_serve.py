@@ -128,6 +128,7 @@ def serve_cell(
         overlap=cell.overlap,
         devices=[DeviceId(d) for d in bed.devices],
         seq_len=len(request_ids()),
+        link_bps=bandwidth,
     )
     oom_before = {d: bed.oom_kills(d) for d in bed.devices}
     t0 = time.monotonic()
@@ -148,6 +149,10 @@ def serve_cell(
             ran = InferencePlan.model_validate_json(_json(raw))
             cell.plan = ran.model_dump(mode="json")
             cell.predicted_s, cell.predicted_comm_s = predicted_s(ran, config, profiles, bandwidth)
+            sent = _devices_profiles(store.get_fields("job", sid).get("profiles"))
+            if sent:
+                cell.step_s = {d: p.step_s for d, p in sent.items()}
+                cell.predicted_dev_s = predicted_s(ran, config, sent, bandwidth)[0]
         for n in range(requests + 1):
             if stop.is_set():
                 raise KeyboardInterrupt("bench-galaxy was asked to stop")
@@ -164,6 +169,16 @@ def serve_cell(
     finally:
         _end(bed, store, sid)
     return cell
+
+
+def _devices_profiles(raw: object) -> dict[str, BlockProfile]:
+    """The profiles the devices sent, as the job's running record keeps them (none: empty)."""
+    if raw is None:
+        return {}
+    data = json.loads(raw) if isinstance(raw, str) else raw
+    if not isinstance(data, dict):
+        return {}
+    return {str(d): BlockProfile.model_validate(p) for d, p in data.items()}
 
 
 def _json(raw: object) -> str:

@@ -13,6 +13,7 @@ import pytest
 
 from common.errors import ConfigError
 from common.galaxy.profile import BlockProfile
+from services.coordinator.galaxy.choose import STEP_LATENCY_S
 from services.coordinator.galaxy.cost import memory_bytes, predict
 from services.coordinator.galaxy.planner import plan_galaxy, plan_local, plan_megatron
 from services.testbed import net
@@ -116,9 +117,10 @@ def test_predictions_are_the_cost_models_and_megatron_comm_is_its_ring_allreduce
     config = shape("bert_small", 4).config()
     plan = plan_megatron(config, names, SEQ_LEN)
     total, comm = predicted_s(plan, config, profiles, 125e6)
-    assert total == predict(plan, config, profiles, 125e6).total_s
+    assert total == predict(plan, config, profiles, 125e6, step_latency_s=STEP_LATENCY_S).total_s
     n, tile_bits = 2, SEQ_LEN / 2 * config.hidden * 32
-    assert comm == pytest.approx(config.layers * 2 * 2 * (n - 1) * tile_bits / 125e6)
+    step = tile_bits / 125e6 + STEP_LATENCY_S  # every ring step's bytes and its fixed cost
+    assert comm == pytest.approx(config.layers * 2 * 2 * (n - 1) * step)
     galaxy = plan_galaxy(config, names, profiles, budgets, SEQ_LEN)
     assert predicted_s(galaxy, config, profiles, 125e6)[0] < total
 
@@ -168,6 +170,21 @@ def test_tables_show_measured_and_predicted_ms_speedups_and_oom(tmp_path: Path) 
     written = write_charts(tmp_path, cells)
     assert [p.name for p in written] == ["latency.png", "sweep.png"]
     assert all(p.stat().st_size > 0 for p in written)
+
+
+def test_the_choice_table_sets_auto_beside_the_best_mode_and_local() -> None:
+    cells = _cells()
+    auto = Cell("grid", "galaxy-e", "bert_small", 4, "auto", 125, "ok", [0.51], 0.51)
+    auto.plan = {"mode": "galaxy", "devices": ["nano-l-0", "nano-s-0"]}
+    auto.predicted_dev_s, auto.step_s = 0.459, {"nano-l-0": 0.002}
+    cells[0].predicted_dev_s = 0.55
+    text = "\n".join(tables([*cells, auto], []))
+    assert (
+        "| galaxy-e | bert_small (4) | 125 | 510 (459) | galaxy on nano-l-0+nano-s-0 | "
+        "500 (550) (galaxy) | 1.02x | 0.68x | 0.67x | 0.90 |"
+    ) in text
+    assert "2 of 2 predictions within 15 % of the measurement." in text
+    assert "| galaxy-e | nano-l-0 | 2.00 |" in text
 
 
 def test_replot_rebuilds_the_report_from_results_json(tmp_path: Path) -> None:

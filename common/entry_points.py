@@ -20,6 +20,7 @@ __all__ = ["SERVICE_SCRIPTS", "service_command"]
 SERVICE_SCRIPTS: dict[str, str] = {
     "coordinator": "asteroid-coordinator",
     "federation": "asteroid-federation",
+    "gateway": "asteroid-gateway",
     "planner": "asteroid-planner",
     "profiler": "asteroid-profiler",
     "worker": "asteroid-worker",

@@ -23,6 +23,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "serve": ("transformers",),
     "fl": ("sklearn",),
     "data": ("PIL", "datasets"),
+    "gateway": ("starlette", "uvicorn", "tokenizers", "jinja2"),
 }
 """Each extra and the modules it provides (the import names, not the distributions)."""
 

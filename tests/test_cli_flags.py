@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MAINS = {
     "coordinator": "services.coordinator.main",
     "federation": "services.federation.main",
+    "gateway": "services.gateway.main",
     "planner": "services.planner.service",
     "profiler": "services.profiler.main",
     "worker": "services.worker.main",
@@ -129,6 +130,7 @@ def run(cmd, cwd=ROOT, timeout=120):
 BAD_BY_SERVICE = {
     "coordinator": ["--link-bandwidth", "100Mbps"],
     "federation": ["--spec", "fed.yaml", "--done-grace-s", "0"],
+    "gateway": ["--max-requests", "0"],
     "planner": ["--redis-url", "127.0.0.1:6379"],
     "profiler": ["--log-level", "trace"],
     "worker": ["--memory-budget", "2 GB please"],

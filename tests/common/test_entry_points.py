@@ -19,8 +19,8 @@ def test_a_service_runs_as_its_script_under_this_interpreter(service):
 
 
 def test_an_unknown_service_is_named():
-    with pytest.raises(ConfigError, match="no service 'gateway'; one of coordinator"):
-        service_command("gateway")
+    with pytest.raises(ConfigError, match="no service 'nonesuch'; one of coordinator"):
+        service_command("nonesuch")
 
 
 def test_a_missing_script_says_where_it_looked_and_what_to_install(tmp_path, monkeypatch):

@@ -1,0 +1,119 @@
+"""`asteroid-gateway`: serve the running serving job over OpenAI's HTTP API until stopped.
+
+The HTTP server (uvicorn) runs on a thread of its own, so the service's stop
+(`common.bootstrap.Stop`: SIGTERM, Ctrl-C) stays the main thread's and ends it
+cleanly: requests in flight finish, then the server closes.
+
+Exit codes: 0 stopped by SIGTERM/SIGINT after serving; 2 invalid settings (no
+API key for an address beyond loopback, a --keys directory without an operator
+key, a port taken); 130 a second signal (`common.exit_codes.ExitCode`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import Any
+
+from common.bootstrap import Stop, run_service
+from common.curve import CurveKeys, is_loopback, load_keys
+from common.errors import ConfigError
+from common.exit_codes import ExitCode
+from common.extras import require
+from common.locate import with_redis
+from common.logging import get_logger
+from common.serving_messages import InferChunk, InferReply, InferRequest
+from common.store import Store
+from services.gateway.app import Limits, create_app
+from services.gateway.backend import Gate, Infer, Streamer
+from services.gateway.served import Resolver, find_served
+from services.gateway.settings import GatewaySettings
+
+__all__ = ["coordinator_infer", "main"]
+
+log = get_logger(__name__)
+
+POLL_S = 0.2
+"""How often the main thread looks at the HTTP server's thread."""
+STOP_GRACE_S = 30.0
+"""Longest the HTTP server may take to finish its requests after a stop."""
+
+
+def coordinator_infer(address: str, keys: CurveKeys | None) -> Infer:
+    """Requests sent to the coordinator at `address`, as `keys`' operator when given."""
+    from services.lib.infer_client import stream_infer
+
+    def infer(request: InferRequest, timeout_s: float) -> Iterator[InferChunk | InferReply]:
+        return iter(stream_infer(address, request, keys=keys, timeout_s=timeout_s))
+
+    return infer
+
+
+def _serve(settings: GatewaySettings, stop: Stop) -> ExitCode:
+    uvicorn: Any = require("uvicorn", "the gateway")
+    require("starlette", "the gateway")
+    keys = load_keys(settings.keys, "operator", settings.operator)
+    api_keys = settings.api_keys()
+    if not api_keys and not is_loopback(f"tcp://{settings.http_host}:{settings.http_port}"):
+        raise ConfigError(
+            f"the gateway listens on {settings.http_host}, beyond this machine: give it an API key "
+            "(ASTEROID_API_KEY or --api-key-file)"
+        )
+    if not api_keys:
+        log.warning("no API key: any program on this machine may use the gateway")
+    settings = with_redis(settings, keys, "operator", stop=stop.is_set)
+    store = Store(settings.redis_url, settings.cluster)
+    find = partial(find_served, store, settings.serve_id, settings.model_dir, settings.model_name)
+    gate = Gate(settings.max_requests)
+    streamer = Streamer(coordinator_infer(settings.coordinator, keys), gate)
+    limits = Limits(
+        api_keys=tuple(api_keys),
+        max_body_bytes=settings.max_body_bytes,
+        timeout_s=settings.request_timeout_s,
+        default_max_tokens=settings.default_max_tokens,
+    )
+    app = create_app(streamer, Resolver(find), limits)
+    config = uvicorn.Config(
+        app,
+        host=settings.http_host,
+        port=settings.http_port,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=STOP_GRACE_S,
+    )
+    server = uvicorn.Server(config)
+    stop.on_stop(lambda _signal: setattr(server, "should_exit", True))
+    # off the main thread uvicorn leaves the signals alone: they stay the service's
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread.start()
+    announced = False
+    try:
+        while thread.is_alive():
+            thread.join(POLL_S)
+            if server.started and not announced:
+                announced = True
+                log.info("gateway listening", host=settings.http_host, port=settings.http_port,
+                         coordinator=settings.coordinator, queue=settings.max_requests)  # fmt: skip
+    finally:
+        server.should_exit = True
+        thread.join(STOP_GRACE_S)
+        streamer.close()
+    if not announced:
+        raise ConfigError(
+            f"the gateway could not listen on {settings.http_host}:{settings.http_port} (taken, "
+            "or not an address of this machine?)"
+        )
+    log.info("gateway stopped", signal=stop.signal)
+    return ExitCode.OK
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of `asteroid-gateway`."""
+    sys.exit(run_service("gateway", GatewaySettings, _serve, argv))
+
+
+if __name__ == "__main__":
+    main()

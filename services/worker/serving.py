@@ -26,6 +26,7 @@ from common.galaxy.config import TransformerConfig
 from common.galaxy.plan import InferencePlan
 from common.ids import DeviceId
 from common.logging import get_logger
+from common.messages import Shutdown
 from common.serving_messages import (
     BlocksProfiled,
     HmpTile,
@@ -135,16 +136,21 @@ class Serving:
         self.served: Served | None = None
         self._announced: tuple[str, int] | None = None
         """The (job, epoch) of the newest LoadShard received, set as it arrives."""
+        self._shutdown: str | None = None
+        """Why the coordinator asked the worker to shut down, set as the request arrives."""
 
     def announce(self, msg: object) -> None:
         """Called on the control thread as each command arrives, before it is queued.
 
         A LoadShard of another epoch (the coordinator re-planned after a device
         loss) makes the request under way stale: its ring waits end at once
-        rather than after `timeout_s`, so the new shard loads without delay.
+        rather than after `timeout_s`, so the new shard loads without delay. A
+        Shutdown ends it too (its ring may wait on a device the job lost).
         """
         if isinstance(msg, LoadShard):
             self._announced = (msg.serve_id, msg.epoch)
+        elif isinstance(msg, Shutdown):
+            self._shutdown = f"shutdown requested: {msg.reason}"
 
     def _stale(self, msg: RunInference) -> Callable[[], str | None]:
         """The ring's `stopped`: the worker stops, or a newer shard was announced."""
@@ -153,7 +159,7 @@ class Serving:
             new = self._announced
             if new is not None and new != (msg.serve_id, msg.epoch):
                 return f"request {msg.round} of epoch {msg.epoch} is stale: epoch {new[1]} loads"
-            return self.stopped()
+            return self._shutdown or self.stopped()
 
         return stopped
 

@@ -183,7 +183,7 @@ def test_a_worker_killed_mid_generation_is_recovered_from_and_a_new_one_joins(st
 
 
 def test_a_loss_the_survivors_cannot_absorb_ends_the_job_naming_the_shortfall(start):
-    shape = LONG.model_copy(update={"layers": 2})
+    shape = LONG.model_copy(update={"hidden": 256, "ffn": 1024})
     serving = start(budget_for(shape, 0.4))  # three devices hold it, two do not
     spec = ServeSpec(serve_id="tight", model=shape, seed=3, mode="galaxy", seq_len=SEQ)
     serving.start(spec)

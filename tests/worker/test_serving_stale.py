@@ -16,6 +16,7 @@ import zmq
 
 from common.errors import RoundAbortedError
 from common.ids import DeviceId
+from common.messages import Shutdown
 from common.serving_messages import LoadShard, RunInference, ServeSpec, TransformerShape
 from services.coordinator.galaxy.planner import plan_megatron
 from services.lib.galaxy import sources
@@ -84,3 +85,7 @@ def test_a_request_of_the_announced_epoch_is_not_stale(serving):
     assert worker._stale(msg)() is None
     worker.announce(load_of(5, worker))
     assert worker._stale(msg)() == "request 1 of epoch 3 is stale: epoch 5 loads"
+    shutdown = Shutdown(reason="test over")
+    worker.announce(load_of(3, worker))
+    worker.announce(shutdown)
+    assert worker._stale(msg)() == "shutdown requested: test over"

@@ -38,6 +38,10 @@ DEFAULT_LINK_BPS = 1e9
 STEP_LATENCY_S = 0.0005
 """Fixed seconds per ring step when the spec names none: ring step less a raw ZeroMQ send
 of the same bytes, on loopback (tests/bench/bench_ring_step.py)."""
+SPLIT_MARGIN = 0.1
+"""A split must be predicted this much faster than the best single device to be chosen:
+the cost model is off by up to about 15 % on the testbed, so a split predicted only a
+little faster is about as likely to be slower, and one device has fewer ways to fail."""
 EXHAUSTIVE_DEVICES = 6
 """Up to this many devices every subset is priced (63 rings); beyond, only the fastest
 `k` devices for each `k` (a ring is as slow as its slowest member)."""
@@ -119,11 +123,14 @@ def choose(
     link: Link,
     *,
     overlap: bool = True,
+    margin: float = SPLIT_MARGIN,
 ) -> Choice:
     """The fitting plan (any mode, any ring of `devices`) with the lowest predicted latency.
 
-    Ties go to fewer devices (they leave the others free), then to the order
-    tried: local, galaxy, megatron, sp.
+    A plan over several devices is chosen over the best single device only when
+    predicted at least `margin` (a fraction) faster. Ties go to fewer devices
+    (they leave the others free), then to the order tried: local, galaxy,
+    megatron, sp.
 
     Raises:
         ConfigError: If a device lacks a profile or a budget, or no device is given.
@@ -153,4 +160,9 @@ def choose(
             f"({', '.join(f'{d} {budgets[d] >> 20} MiB' for d in names)})"
         )
     best = min(priced, key=lambda c: (c[1], len(c[0].devices)))
+    alone = [c for c in priced if len(c[0].devices) == 1]
+    if alone and len(best[0].devices) > 1:
+        single = min(alone, key=lambda c: c[1])
+        if best[1] > (1.0 - margin) * single[1]:
+            best = single
     return Choice(best[0], best[1], tuple(priced))

@@ -196,6 +196,32 @@ class TransformerConfig:
             )
         return range(heads.start // g, heads.start // g + len(heads) // g)
 
+    def param_counts(self) -> dict[str, int]:
+        """Parameters of one layer's MHA block, one layer's MLP block, and the rest.
+
+        The planner's M_att and M_mlp (Galaxy §III-C), which tensor parallelism
+        splits, and "other" (embeddings, norms, heads) that every device keeps
+        whole; counted from the options, so it equals the tensors the weights hold.
+
+        Returns:
+            `{"attention": ..., "mlp": ..., "other": ...}`.
+
+        """
+        h, f, kv = self.hidden, self.ffn, self.kv_hidden
+        attention = 2 * h * h + 2 * kv * h
+        attention += (h + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        mats = 3 if self.activation == "swiglu" else 2
+        mlp = mats * h * f + (((mats - 1) * f + h) if self.mlp_bias else 0)
+        norm = 2 * h if self.norm == "layer" else h
+        other = self.vocab_size * h + (2 * self.layers + 1) * norm
+        if self.positions == "absolute":
+            other += self.max_positions * h
+        if not self.tied_head:
+            other += self.vocab_size * h
+        if self.num_classes:
+            other += h * h + h + self.num_classes * (h + 1)
+        return {"attention": attention, "mlp": mlp, "other": other}
+
     @property
     def activation(self) -> Literal["gelu", "gelu_tanh", "swiglu"]:
         """The MLP's activation, with the default by kind resolved."""

@@ -78,6 +78,8 @@ class InferencePlan(BaseModel):
     def check(self, config: TransformerConfig) -> None:
         """Refuse a plan that does not cover `config` exactly once per split dimension.
 
+        Under grouped-query attention a device's heads must also be whole KV groups.
+
         Raises:
             ConfigError: Naming the field, the expected total and the actual one.
 
@@ -99,6 +101,13 @@ class InferencePlan(BaseModel):
                 raise ConfigError(
                     f"{self.mode} plan: {name} must sum to {total}, got {sum(values)} ({values})"
                 )
+        group = config.group_size
+        cut = [d for d, n in zip(self.devices, self.heads, strict=True) if n % group]
+        if cut and not self.weights_replicated:
+            raise ConfigError(
+                f"{self.mode} plan: heads {self.heads} cut a key/value group of {group} query "
+                f"heads on {cut}; each device's heads must be a multiple of {group}"
+            )
 
     def head_range(self, i: int) -> range:
         """Heads device `i` computes (the whole model when weights are replicated)."""

@@ -13,6 +13,24 @@ from services.worker.galaxy.profiling import profile_blocks, random_layer, scale
 
 CONFIG = TransformerConfig("decoder", 2, 64, 4, 256, 128, 64, 1e-5)
 ENCODER = TransformerConfig("encoder", 2, 64, 4, 256, 128, 64, 1e-12)
+LLAMA = TransformerConfig(
+    "decoder",
+    2,
+    64,
+    4,
+    96,
+    128,
+    64,
+    1e-5,
+    kv_heads=2,
+    norm="rms",
+    positions="rope",
+    mlp="swiglu",
+    qkv_bias=False,
+    o_bias=False,
+    mlp_bias=False,
+    tied_head=False,
+)
 
 
 def _flat(points):
@@ -25,10 +43,19 @@ def test_random_layer_has_every_tensor_in_nn_linear_shape():
     expected = {"up.weight": (f, h), "up.bias": (f,), "down.weight": (h, f)}
     for name in ("q", "k", "v", "o"):
         expected[f"{name}.weight"] = (h, h)
-    assert set(w) == {layer_key(0, n) for n in LAYER_KEYS}
-    for n in LAYER_KEYS:
+    names = [n for n in LAYER_KEYS if not n.startswith("gate.")]  # GELU: no gate
+    assert set(w) == {layer_key(0, n) for n in names}
+    for n in names:
         assert tuple(w[layer_key(0, n)].shape) == expected.get(n, (h,))
     assert all(t.equal(u) for t, u in zip(w.values(), random_layer(CONFIG).values(), strict=True))
+
+
+def test_a_llama_layer_is_profiled_in_whole_kv_groups():
+    w = random_layer(LLAMA)
+    assert tuple(w[layer_key(0, "k.weight")].shape) == (32, 64)  # 2 KV heads of width 16
+    assert layer_key(0, "gate.weight") in w and layer_key(0, "q.bias") not in w
+    p = profile_blocks(LLAMA, 8, [1, 3, 4], [16], [8], repeats=1)
+    assert [n for n, _ in p.mha] == [2, 4]
 
 
 def test_blocks_are_medians_of_repeats_summed_over_their_parts(monkeypatch):

@@ -159,19 +159,6 @@ def predict(
     return Prediction(layers * mha, layers * mlp, layers * con, layers * comm, hidden_s, total)
 
 
-def _model_wide_params(config: TransformerConfig) -> int:
-    """Parameters every device holds whole: embeddings, LayerNorms and the output head."""
-    h = config.hidden
-    n = (config.vocab_size + config.max_positions) * h + config.layers * 4 * h
-    if config.kind == "encoder":
-        n += 2 * h
-        if config.num_classes:
-            n += h * h + h + config.num_classes * (h + 1)
-    else:
-        n += 2 * h
-    return n
-
-
 def device_memory_bytes(
     config: TransformerConfig,
     seq_len: int,
@@ -185,18 +172,24 @@ def device_memory_bytes(
     """Peak bytes of one device holding `heads` heads and `cols` MLP columns of every layer.
 
     Eq. 5's `l * (M_att * a_d / sum A + M_mlp * b_d / sum B)` for the sharded
-    weights, plus the embeddings, LayerNorms and head every device keeps, plus one
-    layer's working activations (inference frees them layer by layer): the
-    residual rows, this device's Q/K/V, attention scores and MLP hidden columns,
-    for `rows` query rows when `query_rows_only` (sequence parallelism), else all.
+    weights (`TransformerConfig.param_counts`: GQA, SwiGLU, absent biases and an
+    untied head counted), plus the embeddings, norms and head every device keeps,
+    plus one layer's working activations (inference frees them layer by layer):
+    the residual rows, this device's Q/K/V, attention scores and MLP hidden
+    columns, for `rows` query rows when `query_rows_only` (sequence
+    parallelism), else all.
     """
     h, t, hd = config.hidden, seq_len, config.head_dim
-    m_att = 4 * h * h + 4 * h
-    m_mlp = 2 * h * config.ffn + config.ffn + h
+    counts = config.param_counts()
+    m_att, m_mlp = counts["attention"], counts["mlp"]
     shards = config.layers * (m_att * heads * config.ffn + m_mlp * cols * config.heads)
-    params = -(-shards // (config.heads * config.ffn)) + _model_wide_params(config)
+    params = -(-shards // (config.heads * config.ffn)) + counts["other"]
     tq = rows if query_rows_only else t
-    acts = 4 * t * h + hd * heads * (tq + 2 * t) + heads * tq * t + tq * cols
+    # queries of its heads, keys and values of their KV groups (GQA: fewer), scores
+    kv_heads = -(-heads // config.group_size)
+    qkv = hd * (heads * tq + 2 * kv_heads * t)
+    mlp_hidden = tq * cols * (2 if config.activation == "swiglu" else 1)  # gate and up
+    acts = 4 * t * h + qkv + heads * tq * t + mlp_hidden
     return dtype_bytes * (params + acts)
 
 

@@ -4,7 +4,9 @@ Algorithm 1 splits heads and MLP columns in proportion to each device's
 capacity `V_d = 1 / (L(MHA, all heads, d) + L(MLP, all columns, d))` (Eq. 6),
 then moves the overflow of out-of-memory devices to devices with room, in
 proportion to their capacity, MLP first (finer grained) and then MHA. The
-connective block's rows are split evenly (§III-C2). The baselines are the
+connective block's rows are split evenly (§III-C2). Heads move in whole KV
+groups (grouped-query attention: the query heads that share one key/value
+head stay on one device), so a group is the MHA block's unit. The baselines are the
 paper's: Megatron-LM (even TP, replicated connective blocks), sequence
 parallelism (replicated weights) and the single best device.
 """
@@ -158,6 +160,8 @@ class _Balancer:
     budgets: list[int]
     v: list[float]
     dtype_bytes: int
+    group: int = 1
+    """Query heads per KV group: heads move in multiples of it."""
 
     def need(self, d: int, heads: int | None = None, cols: int | None = None) -> int:
         return device_memory_bytes(
@@ -170,12 +174,16 @@ class _Balancer:
         )
 
     def overflow(self, d: int, block: Literal["mha", "mlp"]) -> int:
-        """Fewest units of `block` device `d` must shed to fit (all of them if that fails)."""
+        """Fewest units (KV groups, MLP columns) of `block` device `d` must shed to fit.
+
+        All of them if that fails.
+        """
         shares = self.heads if block == "mha" else self.cols
-        lo, hi = 0, shares[d]
+        unit = self.group if block == "mha" else 1
+        lo, hi = 0, shares[d] // unit
         while lo < hi:
             k = (lo + hi) // 2
-            kept = shares[d] - k
+            kept = shares[d] - k * unit
             need = self.need(d, heads=kept) if block == "mha" else self.need(d, cols=kept)
             if need <= self.budgets[d]:
                 hi = k
@@ -186,6 +194,7 @@ class _Balancer:
     def balance(self, block: Literal["mha", "mlp"], active: list[int]) -> None:
         """MemoryAwareBalancing(T, C, V, L), recursing until no device in L is out of memory."""
         shares = self.heads if block == "mha" else self.cols
+        unit = self.group if block == "mha" else 1
         oom = [d for d in active if self.need(d) > self.budgets[d]]
         free = [d for d in active if self.need(d) < self.budgets[d]]
         if not oom:
@@ -195,8 +204,8 @@ class _Balancer:
             if free and waiting:
                 moved = balanced_partition(waiting, [self.v[f] for f in free])
                 for f, units in zip(free, moved, strict=True):
-                    shares[f] += units
-                shares[o] -= waiting
+                    shares[f] += units * unit
+                shares[o] -= waiting * unit
             active = [d for d in active if d != o]
         self.balance(block, active)
 
@@ -228,12 +237,13 @@ def plan_galaxy(
     bal = _Balancer(
         config=config,
         seq_len=seq_len,
-        heads=balanced_partition(config.heads, v),
+        heads=_group_partition(config, v),
         cols=balanced_partition(config.ffn, v),
         rows=balanced_partition(seq_len, [1.0] * len(names)),
         budgets=[budgets[d] for d in names],
         v=v,
         dtype_bytes=dtype_bytes,
+        group=config.group_size,
     )
     everyone = list(range(len(names)))
     bal.balance("mlp", everyone)
@@ -259,7 +269,7 @@ def plan_megatron(
     budgets: Mapping[str, int] | None = None,
     dtype_bytes: int = 4,
 ) -> InferencePlan:
-    """Megatron-LM: even head and column splits, every device runs all rows between.
+    """Megatron-LM: even head (in KV groups) and column splits, every device runs all rows.
 
     Raises:
         PlanError: If `budgets` is given and some device cannot hold its share.
@@ -270,7 +280,7 @@ def plan_megatron(
     plan = InferencePlan(
         mode="megatron",
         devices=list(devices),
-        heads=balanced_partition(config.heads, even),
+        heads=_group_partition(config, even),
         cols=balanced_partition(config.ffn, even),
         rows=[seq_len] * len(devices),
         seq_len=seq_len,
@@ -344,6 +354,11 @@ def plan_local(
     if best is None:
         raise PlanError("no single device holds the model: " + "; ".join(problems))
     return best[1]
+
+
+def _group_partition(config: TransformerConfig, weights: Sequence[float]) -> list[int]:
+    """Heads split in proportion to `weights` in whole KV groups (one head each without GQA)."""
+    return [g * config.group_size for g in balanced_partition(config.kv_groups, weights)]
 
 
 def _checked(

@@ -219,21 +219,4 @@ def weight_bytes(
         `{"attention": ..., "mlp": ..., "other": ...}`.
 
     """
-    h, f, kv = config.hidden, config.ffn, config.kv_hidden
-    attention = 2 * h * h + 2 * kv * h
-    attention += (h + 2 * kv) * config.qkv_bias + h * config.o_bias
-    mats = 3 if config.activation == "swiglu" else 2
-    mlp = mats * h * f + ((mats - 1) * f + h) * config.mlp_bias
-    norm = 2 * h if config.norm == "layer" else h
-    other = config.vocab_size * h + (2 * config.layers + 1) * norm
-    if config.positions == "absolute":
-        other += config.max_positions * h
-    if not config.tied_head:
-        other += config.vocab_size * h
-    if config.num_classes:
-        other += h * h + h + config.num_classes * (h + 1)
-    return {
-        "attention": attention * bytes_per_param,
-        "mlp": mlp * bytes_per_param,
-        "other": other * bytes_per_param,
-    }
+    return {name: n * bytes_per_param for name, n in config.param_counts().items()}

@@ -17,30 +17,39 @@ from torch import Tensor
 
 from common.accelerator import synchronize
 from common.errors import ConfigError
-from common.galaxy.config import LAYER_KEYS, TransformerConfig, layer_key
+from common.galaxy.config import TransformerConfig, layer_key
 from common.galaxy.profile import BlockProfile
 from services.lib.galaxy import blocks
+from services.lib.galaxy.weights import expected_shapes
 
 __all__ = ["profile_blocks", "random_layer", "scaled"]
 
 
 def random_layer(config: TransformerConfig, seed: int = 0) -> dict[str, Tensor]:
-    """Layer 0's tensors under their model-wide names, random but shaped as the config says."""
+    """Layer 0's tensors under their model-wide names, random but shaped as the config says.
+
+    Exactly the tensors the served model's layers have (`expected_shapes`): GQA's
+    narrower keys and values, SwiGLU's gate, and no biases where it has none.
+    """
     gen = torch.Generator().manual_seed(seed)
-    h, f = config.hidden, config.ffn
-    shapes = {
-        "q.weight": (h, h),
-        "k.weight": (h, h),
-        "v.weight": (h, h),
-        "o.weight": (h, h),
-        "up.weight": (f, h),
-        "up.bias": (f,),
-        "down.weight": (h, f),
-    }
+    prefix = layer_key(0, "")
     return {
-        layer_key(0, name): torch.randn(shapes.get(name, (h,)), generator=gen) * 0.02
-        for name in LAYER_KEYS
+        name: torch.randn(shape, generator=gen) * 0.02
+        for name, shape in expected_shapes(config).items()
+        if name.startswith(prefix)
     }
+
+
+def _whole_groups(counts: Sequence[int], config: TransformerConfig) -> list[int]:
+    """Head counts rounded up to whole KV groups: plans split heads in groups only."""
+    g = config.group_size
+    return [min(config.heads, -(-n // g) * g) for n in counts]
+
+
+def _qkv(x: Tensor, w: dict[str, Tensor], heads: range, config: TransformerConfig) -> Tensor:
+    """The MHA block's opening GEMM as served: projections, then rotary positions."""
+    q, k, _ = blocks.qkv(x, w, 0, heads, config)
+    return blocks.rotate(q, k, 0, config)[0]
 
 
 def _median_s(fn: Callable[[], object], repeats: int, on: torch.device | None = None) -> float:
@@ -78,7 +87,8 @@ def profile_blocks(
     """Median seconds of this machine's MHA, MLP and connective blocks at the given shares.
 
     A block's time is the sum of its parts' medians (QKV, attention, output GEMM;
-    up, down GEMM); the first and last GEMM's shares of it are taken at the largest
+    up, down GEMM); head counts are rounded up to whole KV groups (a plan never
+    gives a device part of one); the first and last GEMM's shares of it are taken at the largest
     size measured, which is what tile overlap hides communication under.
     `compute` is where the blocks run (the CPU by default), as served blocks will.
 
@@ -91,7 +101,7 @@ def profile_blocks(
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
     if not 1 <= seq_len <= config.max_positions:
         raise ConfigError(f"seq_len must be in [1, {config.max_positions}], got {seq_len}")
-    heads = _sizes("head_counts", head_counts, config.heads)
+    heads = _sizes("head_counts", _whole_groups(head_counts, config), config.heads)
     cols = _sizes("col_counts", col_counts, config.ffn)
     rows = _sizes("row_counts", row_counts, seq_len)
     on = compute or torch.device("cpu")
@@ -103,9 +113,10 @@ def profile_blocks(
     with torch.inference_mode():
         for n in heads:
             q, k, v = blocks.qkv(x, w, 0, range(n), config)
+            q, k = blocks.rotate(q, k, 0, config)
             ctx = blocks.attend(q, k, v, config.causal, 0)
             mha_parts = (
-                _median_s(partial(blocks.qkv, x, w, 0, range(n), config), repeats, on),
+                _median_s(partial(_qkv, x, w, range(n), config), repeats, on),
                 _median_s(partial(blocks.attend, q, k, v, config.causal, 0), repeats, on),
                 _median_s(partial(blocks.out_partial, ctx, w, 0, range(n)), repeats, on),
             )

@@ -62,7 +62,15 @@ from services.coordinator.galaxy.planner import (
 )
 from services.coordinator.job_state import Cancelled, Record, Send, SetAssigned
 from services.coordinator.membership import Members, heard
-from services.coordinator.serve_recover import budgets, joiners, lost, shortfall, survivors
+from services.coordinator.serve_recover import (
+    budgets,
+    idle,
+    joiners,
+    left_job,
+    lost,
+    shortfall,
+    survivors,
+)
 from services.coordinator.serve_requests import (
     answered,
     fail,
@@ -128,6 +136,9 @@ def apply(serve: Serve, event: Event, now: float) -> Out:
         return _prepare(replace(serve, spec=spec), event.shape, now, [read])
     if isinstance(event, Reply) and isinstance(event.msg, InferenceProgress):
         return on_progress(serve, event.device, event.msg)  # not a reply the wait takes
+    if isinstance(event, Beats) and (left := left_job(serve, event.members)):
+        reason = f"workers {left} left: the coordinator no longer knows them"
+        return _lost(replace(serve, members=dict(event.members), wait=None), left, reason, now, [])
     if serve.wait is not None:
         return _waited(serve, serve.wait, event, now)
     if isinstance(event, Beats):
@@ -139,7 +150,7 @@ def apply(serve: Serve, event: Event, now: float) -> Out:
         return serve, [Log("debug", "ignored stale reply", why)]
     if serve.phase == "joining":
         return _joined_yet(serve, now, [])
-    if isinstance(event, Tick) and _idle(serve) and (back := joiners(serve, now)):
+    if isinstance(event, Tick) and idle(serve) and (back := joiners(serve, now)):
         return _rejoin(serve, back, now)
     return serve, []
 
@@ -383,16 +394,6 @@ def _lost(serve: Serve, gone: list[DeviceId], reason: str, now: float, out: list
     if record:
         out.append(Record("recovering", {"lost": list(gone), "reason": reason}))
     return _load(replace(serve, phase="loading"), now, out)
-
-
-def _idle(serve: Serve) -> bool:
-    return (
-        serve.phase == "serving"
-        and serve.wait is None
-        and serve.running is None
-        and not serve.taking
-        and serve.cancel is None
-    )
 
 
 def _rejoin(serve: Serve, back: list[DeviceId], now: float) -> Out:

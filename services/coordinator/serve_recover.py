@@ -19,9 +19,19 @@ from common.errors import AsteroidError
 from common.ids import DeviceId
 from services.coordinator.core import Log
 from services.coordinator.galaxy.planner import require_capacity
+from services.coordinator.membership import Members
 from services.coordinator.serve_state import AppendMetrics, Command, Recovery, Serve
 
-__all__ = ["budgets", "joiners", "lost", "recovered", "shortfall", "survivors"]
+__all__ = [
+    "budgets",
+    "idle",
+    "joiners",
+    "left_job",
+    "lost",
+    "recovered",
+    "shortfall",
+    "survivors",
+]
 
 
 def budgets(serve: Serve, devices: Sequence[DeviceId]) -> dict[str, int]:
@@ -119,3 +129,21 @@ def joiners(serve: Serve, now: float) -> list[DeviceId]:
         if d not in serve.devices and d not in serve.gone and fresh(d, -1.0)
     ]
     return back + others[: max(0, room)]
+
+
+def left_job(serve: Serve, members: Members) -> list[DeviceId]:
+    """Devices of a planned job that the membership forgot (a wait would never hear of them)."""
+    if serve.phase not in ("loading", "serving") or serve.plan is None:
+        return []
+    return [d for d in serve.devices if d not in members]
+
+
+def idle(serve: Serve) -> bool:
+    """Serving, and nothing under way or asked for: devices may join now."""
+    return (
+        serve.phase == "serving"
+        and serve.wait is None
+        and serve.running is None
+        and not serve.taking
+        and serve.cancel is None
+    )

@@ -194,3 +194,13 @@ def test_a_joining_worker_that_fails_to_profile_is_left_out_and_the_job_goes_on(
     s.loaded(s.serve.devices, epoch=EPOCH + 3)
     assert s.serve.phase == "serving"
     assert sent(ProfileBlocks, s.tick(at=8.0)) == []  # not asked again
+
+
+def test_a_device_the_membership_forgets_is_planned_around_like_a_lost_one():
+    s = Script(spec_of(mode="megatron"))
+    devices = s.serving()
+    del s.members[devices[1]]  # expired from the coordinator's membership
+    out = s.tick(at=1.0)
+    assert s.serve.phase == "loading" and s.serve.epoch == EPOCH + 1
+    assert records(out) == ["recovering"]
+    assert sorted(d for d, _ in sent(LoadShard, out)) == sorted([devices[0], devices[2]])

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -44,8 +45,10 @@ from tests.bench.galaxy_cells import (
     MODELS,
     Cell,
     device_profiles,
+    fitted_step_latency,
     host_profile,
     planning_time_s,
+    repredict,
     shape,
 )
 from tests.bench.galaxy_report import tables, write_charts
@@ -200,6 +203,8 @@ def run_env(
         store = Store(bed.redis_url, bed.cluster)
         current = link
         served: tuple[str, int] | None = None
+        fits: list[float] = []
+        """Per measured split: the link's step latency that would have predicted it."""
         try:
             for cell in todo:
                 if past():
@@ -215,13 +220,17 @@ def run_env(
                 if served and (big or (cell.model, cell.layers) != served):
                     fresh_workers(bed, store)
                 served = (cell.model, cell.layers)
-                serve_cell(bed, store, cell, profiles, budgets, args.requests, stop)
+                latency = statistics.median(fits) if fits else None
+                serve_cell(bed, store, cell, profiles, budgets, args.requests, stop, latency)
                 if cell.state == "failed" and not stop.is_set():
                     first = cell.note.strip()
                     fresh_workers(bed, store)
                     cell = replace(cell, state="skipped", latencies_s=[], note="")
-                    serve_cell(bed, store, cell, profiles, budgets, args.requests, stop)
+                    serve_cell(bed, store, cell, profiles, budgets, args.requests, stop, latency)
                     cell.note = f"retried on new workers after: {first}; {cell.note}"
+                fitted = fitted_step_latency(cell) if cell.mode != "auto" else None
+                if fitted is not None:
+                    fits.append(fitted)
                 results.add(cell)
                 print(
                     f"  {cell.part} {cell.model}({cell.layers}) {cell.mode} {cell.link_mbit:g}M: "
@@ -231,6 +240,12 @@ def run_env(
                 )
         finally:
             store.close()
+        if fits:  # every cell of the env predicted again with the env's one fitted latency
+            latency = statistics.median(fits)
+            for done in results.cells:
+                if done.env == env:
+                    repredict(done, latency)
+            results.save()
 
 
 def main(argv: list[str] | None = None) -> int:

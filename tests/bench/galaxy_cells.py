@@ -40,11 +40,14 @@ __all__ = [
     "Cell",
     "ModelSize",
     "device_profiles",
+    "fitted_step_latency",
     "host_profile",
     "memory_unaware_plan",
     "planning_time_s",
     "predicted_s",
+    "repredict",
     "request_ids",
+    "ring_steps",
     "shape",
 ]
 
@@ -135,6 +138,10 @@ class Cell:
     (what the coordinator planned on, ring step costs included)."""
     step_s: dict[str, float] = field(default_factory=dict)
     """Each device's measured ring step cost (`BlockProfile.step_s`)."""
+    dev_profiles: dict[str, Any] = field(default_factory=dict)
+    """The profiles the devices sent (JSON), for predicting again with a fitted step latency."""
+    step_latency_s: float | None = None
+    """The link's fixed seconds per ring step `predicted_dev_s` assumes (and auto was given)."""
 
     @property
     def overlap(self) -> bool:
@@ -212,10 +219,50 @@ def predicted_s(
     config: TransformerConfig,
     profiles: Mapping[str, BlockProfile],
     bandwidth_bps: float,
+    step_latency_s: float = STEP_LATENCY_S,
 ) -> tuple[float, float]:
     """The cost model's (total, communication) seconds of one request under `plan`."""
-    p = predict(plan, config, profiles, bandwidth_bps, step_latency_s=STEP_LATENCY_S)
+    p = predict(plan, config, profiles, bandwidth_bps, step_latency_s=step_latency_s)
     return p.total_s, p.comm_s
+
+
+def ring_steps(plan: InferencePlan, layers: int) -> int:
+    """Ring steps one request takes under `plan` (the cost model's count)."""
+    n = len(plan.devices)
+    return layers * (2 if plan.mode == "sp" else 4) * (n - 1)
+
+
+def fitted_step_latency(cell: Cell) -> float | None:
+    """The link's fixed seconds per ring step that makes the cost model meet `cell`'s median.
+
+    From the devices' own profiles (their measured ring step work included):
+    what the measurement has beyond the prediction without any link latency,
+    spread over the request's ring steps. None for a cell without ring steps or
+    without a measurement.
+    """
+    if cell.median_s is None or not cell.plan or not cell.dev_profiles:
+        return None
+    plan = InferencePlan.model_validate(cell.plan)
+    steps = ring_steps(plan, cell.layers)
+    if steps == 0:
+        return None
+    profiles = {d: BlockProfile.model_validate(p) for d, p in cell.dev_profiles.items()}
+    config = shape(cell.model, cell.layers).config()
+    bare = predicted_s(plan, config, profiles, cell.link_mbit * 1e6, 0.0)[0]
+    return max(0.0, (cell.median_s - bare) / steps)
+
+
+def repredict(cell: Cell, step_latency_s: float) -> None:
+    """Set `cell`'s device-profile prediction for a link step latency of `step_latency_s`."""
+    if not cell.plan or not cell.dev_profiles:
+        return
+    plan = InferencePlan.model_validate(cell.plan)
+    profiles = {d: BlockProfile.model_validate(p) for d, p in cell.dev_profiles.items()}
+    config = shape(cell.model, cell.layers).config()
+    cell.step_latency_s = step_latency_s
+    cell.predicted_dev_s = predicted_s(
+        plan, config, profiles, cell.link_mbit * 1e6, step_latency_s
+    )[0]
 
 
 def planning_time_s(

@@ -24,10 +24,18 @@ from common.serving_messages import ServeModel, ServeSpec
 from common.store import Store
 from services.cli.client import ask_coordinator
 from services.cli.serve import infer_request
+from services.coordinator.galaxy.choose import STEP_LATENCY_S
 from services.testbed import net
 from services.testbed.bed import Testbed
 from tests.bench.bench_recovery import REJOIN_TIMEOUT_S, restart, start_profiler
-from tests.bench.galaxy_cells import Cell, memory_unaware_plan, predicted_s, request_ids, shape
+from tests.bench.galaxy_cells import (
+    Cell,
+    memory_unaware_plan,
+    predicted_s,
+    repredict,
+    request_ids,
+    shape,
+)
 
 __all__ = ["fresh_workers", "serve_cell", "set_link"]
 
@@ -107,8 +115,13 @@ def serve_cell(
     budgets: Mapping[str, int],
     requests: int,
     stop: threading.Event,
+    step_latency_s: float | None = None,
 ) -> Cell:
-    """Serve `cell` on `bed` unless its plan would not fit; fill in what was measured."""
+    """Serve `cell` on `bed` unless its plan would not fit; fill in what was measured.
+
+    `step_latency_s` is the link's fixed cost per ring step the coordinator's
+    auto choice is told (None: its default).
+    """
     served = shape(cell.model, cell.layers)
     config = served.config()
     bandwidth = cell.link_mbit * 1e6
@@ -129,6 +142,7 @@ def serve_cell(
         devices=[DeviceId(d) for d in bed.devices],
         seq_len=len(request_ids()),
         link_bps=bandwidth,
+        step_latency_s=step_latency_s,
     )
     oom_before = {d: bed.oom_kills(d) for d in bed.devices}
     t0 = time.monotonic()
@@ -152,7 +166,8 @@ def serve_cell(
             sent = _devices_profiles(store.get_fields("job", sid).get("profiles"))
             if sent:
                 cell.step_s = {d: p.step_s for d, p in sent.items()}
-                cell.predicted_dev_s = predicted_s(ran, config, sent, bandwidth)[0]
+                cell.dev_profiles = {d: p.model_dump(mode="json") for d, p in sent.items()}
+                repredict(cell, STEP_LATENCY_S if step_latency_s is None else step_latency_s)
         for n in range(requests + 1):
             if stop.is_set():
                 raise KeyboardInterrupt("bench-galaxy was asked to stop")

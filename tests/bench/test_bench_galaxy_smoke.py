@@ -23,11 +23,14 @@ from tests.bench.galaxy_cells import (
     SEQ_LEN,
     Cell,
     device_profiles,
+    fitted_step_latency,
     host_profile,
     memory_unaware_plan,
     planning_time_s,
     predicted_s,
+    repredict,
     request_ids,
+    ring_steps,
     shape,
 )
 from tests.bench.galaxy_report import ms, speedup, tables, write_charts
@@ -185,6 +188,27 @@ def test_the_choice_table_sets_auto_beside_the_best_mode_and_local() -> None:
     ) in text
     assert "2 of 2 predictions within 15 % of the measurement." in text
     assert "| galaxy-e | nano-l-0 | 2.00 |" in text
+
+
+def test_the_step_latency_fitted_to_a_measured_split_predicts_it_back() -> None:
+    names, cpus, budgets = _galaxy_e()
+    profiles = device_profiles(_profile("host", 0.01, 4e-5, 1e-5), cpus)
+    config = shape("bert_small", 4).config()
+    plan = plan_galaxy(config, names, profiles, budgets, SEQ_LEN)
+    bare = predict(plan, config, profiles, 125e6).total_s
+    cell = Cell("grid", "galaxy-e", "bert_small", 4, "galaxy", 125, "ok", [1.0])
+    cell.plan = plan.model_dump(mode="json")
+    cell.dev_profiles = {d: p.model_dump(mode="json") for d, p in profiles.items()}
+    assert ring_steps(plan, 4) == 16
+    cell.median_s = bare + 16 * 0.004
+    fitted = fitted_step_latency(cell)
+    assert fitted == pytest.approx(0.004)
+    repredict(cell, 0.004)
+    assert cell.predicted_dev_s == pytest.approx(cell.median_s) and cell.step_latency_s == 0.004
+    local = Cell("grid", "galaxy-e", "bert_small", 4, "local", 125, "ok", [0.5], 0.5)
+    alone = plan_local(config, names, profiles, budgets, SEQ_LEN)
+    local.plan, local.dev_profiles = alone.model_dump(mode="json"), cell.dev_profiles
+    assert fitted_step_latency(local) is None  # no ring steps to spread anything over
 
 
 def test_replot_rebuilds_the_report_from_results_json(tmp_path: Path) -> None:

@@ -77,3 +77,25 @@ def test_progress_from_elsewhere_is_dropped_naming_the_sender() -> None:
     s.done(head, 1, [], at=3.0)
     out = s.feed(progress(head, 1, [9]))  # nothing runs now
     assert not of(Answer, out) and len(of(Log, out)) == 1
+
+
+def test_a_request_re_run_after_a_loss_streams_on_without_sending_a_token_twice() -> None:
+    for logits in (False, True):  # from the tokens so far, or (the prompt's logits asked) anew
+        s = Script(spec_of(mode="megatron"))
+        devices = s.serving()
+        s.ask("alice", [1, 2, 3], at=1.0, new_tokens=4, logits=logits, stream=True, seed=5)
+        s.tick(at=1.0)
+        assert [c.tokens for _, c in chunks(s.feed(progress(devices[0], 1, [7, 8])))] == [[7, 8]]
+        s.silent = {devices[2]}
+        s.tick(at=3.0)
+        s.tick(at=5.5)  # probed, then lost: the survivors load new shards
+        assert s.serve.phase == "loading"
+        out = s.loaded(devices[:2], epoch=EPOCH + 1)
+        runs = [c.msg for c in of(Send, out) if isinstance(c.msg, RunInference)]
+        done = [] if logits else [7, 8]
+        assert runs and all(r.ids == [1, 2, 3, *done] and r.seed == 5 for r in runs)
+        assert runs[0].first_step == len(done)  # a seeded draw goes on where it was
+        head = devices[0]
+        rerun = [9, 10] if not logits else [7, 8, 9]
+        out = s.feed(progress(head, 1, rerun, epoch=EPOCH + 1))
+        assert [c.tokens for _, c in chunks(out)] == [[9, 10] if not logits else [9]]

@@ -17,9 +17,10 @@ from torch import Tensor, nn
 
 from common.errors import ConfigError
 from common.galaxy.config import TransformerConfig
-from services.lib.galaxy import model
+from services.lib.galaxy import model, sources
 from services.lib.galaxy.weights import expected_shapes, from_transformers
 from services.worker.galaxy import hmp
+from services.worker.galaxy.collectives import row_offsets
 from services.worker.galaxy.hmp import RingLayout
 from services.worker.galaxy.ring import LocalRing, local_rings
 from tests.galaxy.test_collectives import run_on_ring
@@ -187,6 +188,28 @@ def test_every_mode_equals_transformers_with_and_without_cache(name: str, layout
         torch.testing.assert_close(whole, reference[:T], rtol=0, atol=ATOL)
         torch.testing.assert_close(torch.cat(steps), reference, rtol=0, atol=ATOL)
         assert tokens == expected
+
+
+@pytest.mark.parametrize("layout_name", ["galaxy3-uneven", "megatron3"])
+def test_sharded_devices_keep_only_their_kv_groups_and_generate_alike(layout_name: str) -> None:
+    hf, (config, w) = _hf(name="6q3kv"), _ours("6q3kv")
+    layout = LAYOUTS["6q3kv"][layout_name]
+    heads, cols = row_offsets(list(layout.heads)), row_offsets(list(layout.cols))
+    shards = [
+        sources.shard(w, config, range(heads[d], heads[d + 1]), range(cols[d], cols[d + 1]))
+        for d in range(3)
+    ]
+    assert [s["layers.0.k.weight"].shape[0] // config.head_dim for s in shards] == [
+        h // config.group_size for h in layout.heads
+    ]
+    ids = _prompt()
+    got = run_on_ring(
+        3,
+        lambda r: hmp.generate(
+            r, layout, shards[r.rank], config, ids, NEW, timeout_s=10, sharded=True
+        ),
+    )
+    assert got == [_hf_generate(hf, ids)] * 3
 
 
 def test_local_mode_generates_what_transformers_does() -> None:

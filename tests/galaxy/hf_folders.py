@@ -64,7 +64,7 @@ def bert(classes: int = 0, seed: int = 2) -> nn.Module:
 
 
 def llama(seed: int = 3, kv_heads: int = 2, tied: bool = False, model_type: str = "llama") -> Any:
-    """A 2-layer LlamaForCausalLM (or Mistral) with grouped-query attention and RoPE, hidden 32."""
+    """A 2-layer LlamaForCausalLM (or Mistral, Qwen2): grouped-query attention, RoPE, hidden 32."""
     t = _transformers()
     fields: dict[str, Any] = {
         "num_hidden_layers": 2,
@@ -83,6 +83,8 @@ def llama(seed: int = 3, kv_heads: int = 2, tied: bool = False, model_type: str 
     }
     if model_type == "mistral":
         model = t.MistralForCausalLM(t.MistralConfig(sliding_window=None, **fields))
+    elif model_type == "qwen2":
+        model = t.Qwen2ForCausalLM(t.Qwen2Config(**fields))
     else:
         model = t.LlamaForCausalLM(t.LlamaConfig(**fields))
     return _perturb(model, seed)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from common.errors import ConfigError
 from common.galaxy.config import TransformerConfig
+from common.serving_messages import MAX_PROMPT_TOKENS
 from services.lib.galaxy import pretrained, sources
 from services.lib.galaxy.weights import from_transformers
 from tests.galaxy import hf_folders
@@ -28,11 +29,21 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, t
         "bert": (hf_folders.bert(), {}),
         "bert-cls-sharded": (hf_folders.bert(classes=3), {"shard_kb": 8}),
     }
+    models.update(
+        {
+            "llama": (hf_folders.llama(), {"shard_kb": 8}),
+            "llama-tied": (hf_folders.llama(seed=4, kv_heads=1, tied=True), {}),
+            "mistral": (hf_folders.llama(seed=6, model_type="mistral"), {}),
+            "qwen2": (hf_folders.llama(seed=8, kv_heads=4, model_type="qwen2"), {}),
+        }
+    )
     out = {}
     for name, (model, kwargs) in models.items():
         out[name] = (hf_folders.save(model, root / name, **kwargs), model)
     bf16 = hf_folders.gpt2(seed=7).to(torch.bfloat16)
     out["gpt2-bf16"] = (hf_folders.save(bf16, root / "gpt2-bf16"), bf16.float())
+    half = hf_folders.llama(seed=9).to(torch.float16)
+    out["llama-f16"] = (hf_folders.save(half, root / "llama-f16"), half.float())
     return out
 
 
@@ -40,7 +51,21 @@ def _whole(config: TransformerConfig) -> tuple[range, range]:
     return range(config.heads), range(config.ffn)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt2-sharded", "bert", "bert-cls-sharded", "gpt2-bf16"])
+ALL = [
+    "gpt2",
+    "gpt2-sharded",
+    "bert",
+    "bert-cls-sharded",
+    "gpt2-bf16",
+    "llama",
+    "llama-tied",
+    "mistral",
+    "qwen2",
+    "llama-f16",
+]
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_a_folder_gives_the_weights_of_the_model_saved_in_it(folders, name):
     folder, model = folders[name]
     want_config, want = from_transformers(model)
@@ -61,10 +86,10 @@ def test_a_sharded_folder_is_an_index_and_several_files(folders):
     assert pretrained.read_config(folder).num_classes == 3
 
 
-CUTS = [(range(1, 3), range(5, 40)), (range(3, 4), range(0, 1))]
+CUTS = [(range(2, 4), range(5, 40)), (range(0, 2), range(0, 1))]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert-cls-sharded", "gpt2-bf16"])
+@pytest.mark.parametrize("name", ["gpt2", "bert-cls-sharded", "gpt2-bf16", "llama", "qwen2"])
 @pytest.mark.parametrize(("heads", "cols"), CUTS)
 def test_a_shard_read_from_the_folder_is_the_cut_of_the_whole_weights(folders, name, heads, cols):
     folder, model = folders[name]
@@ -227,3 +252,45 @@ def test_an_index_naming_a_missing_file_or_tensor_is_refused(folders, tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match=f"does not hold '{first}'"):
         pretrained.load_shard(folder, config, *_whole(config))
+
+
+def test_a_llama_shard_keeps_its_kv_groups_and_a_cut_group_is_refused(folders):
+    folder, model = folders["llama"]
+    config, whole = from_transformers(model)
+    assert (config.heads, config.kv_heads, config.norm, config.positions) == (4, 2, "rms", "rope")
+    shard = pretrained.load_shard(folder, config, range(2, 4), range(0, 48))
+    d = config.head_dim
+    assert torch.equal(shard["layers.0.k.weight"], whole["layers.0.k.weight"][d : 2 * d])
+    assert torch.equal(shard["layers.1.v.weight"], whole["layers.1.v.weight"][d : 2 * d])
+    assert torch.equal(shard["layers.1.gate.weight"], whole["layers.1.gate.weight"])
+    assert torch.equal(shard["lm_head.weight"], whole["lm_head.weight"])
+    with pytest.raises(ConfigError, match="cut a key/value group of 2 query heads"):
+        pretrained.load_shard(folder, config, range(1, 3), range(0, 48))
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "scaling 'llama3'"),
+        ({"rope_parameters": None, "rope_scaling": {"type": "linear"}}, "scaling 'linear'"),
+        ({"hidden_act": "gelu"}, "activation must be 'silu'"),
+        ({"head_dim": 16}, "head_dim 16 times 4 heads"),
+        ({"num_key_value_heads": 3}, "multiple of kv_heads"),
+        ({"pretraining_tp": 2}, "pretraining_tp must be 1"),
+        ({"architectures": ["LlamaForSequenceClassification"]}, "are none of"),
+    ],
+)
+def test_a_llama_variant_we_do_not_compute_is_refused(folders, tmp_path, changes, error):
+    folder = _copy(folders["llama-tied"][0], tmp_path / "f")
+    _edit_config(folder, **changes)
+    with pytest.raises(ConfigError, match=error):
+        pretrained.read_config(folder)
+
+
+def test_a_long_rope_context_is_served_up_to_the_longest_prompt(folders, tmp_path):
+    folder = _copy(folders["llama-tied"][0], tmp_path / "f")
+    _edit_config(folder, max_position_embeddings=131072, rope_parameters=None, rope_theta=5e5)
+    config = pretrained.read_config(folder)
+    assert (config.max_positions, config.rope_theta) == (MAX_PROMPT_TOKENS, 5e5)
+    _edit_config(folder, model_type="mistral", architectures=[], sliding_window=16)
+    assert pretrained.read_config(folder).max_positions == 16  # never past the window

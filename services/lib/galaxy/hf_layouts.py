@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from common.errors import ConfigError
 from common.galaxy.config import TransformerConfig, layer_key
-from common.serving_messages import TransformerShape
+from common.serving_messages import MAX_PROMPT_TOKENS, TransformerShape
 from services.lib.galaxy.weights import expected_shapes
 
 __all__ = ["MODEL_TYPES", "Layout", "Part", "Recipe", "layout_of"]
@@ -257,9 +257,109 @@ def _bert(raw: Mapping[str, Any]) -> Layout:
     return Layout(config, recipes)
 
 
+# --- Llama, Mistral, Qwen2 -----------------------------------------------------
+
+_LLAMA_PAIRS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+    "ln1": "input_layernorm",
+    "ln2": "post_attention_layernorm",
+}
+_LLAMA_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+_LLAMA_VOCAB = {"llama": 32000, "mistral": 32000, "qwen2": 151936}
+
+
+def _rope_theta(raw: Mapping[str, Any]) -> float:
+    """The rotary base, refusing scaled RoPE we do not compute.
+
+    transformers 5 keeps it in `rope_parameters`; earlier versions in
+    `rope_theta`, with any scaling in `rope_scaling`.
+    """
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"config.json rope parameters must be a mapping, got {params!r}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(f"rotary scaling {kind!r} is not computed; only plain RoPE is")
+    return _float(params, "rope_theta", _float(raw, "rope_theta", 10000.0))
+
+
+def _llama(raw: Mapping[str, Any]) -> Layout:
+    model_type = str(raw["model_type"])
+    name = _LLAMA_CLASSES[model_type]
+    arch = _architecture(raw, (f"{name}ForCausalLM", f"{name}Model"))
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{name} activation must be 'silu', got {raw.get('hidden_act')!r}")
+    hidden, heads = _int(raw, "hidden_size", 4096), _int(raw, "num_attention_heads", 32)
+    if raw.get("head_dim") is not None and _int(raw, "head_dim") * heads != hidden:
+        raise ConfigError(
+            f"head_dim {raw['head_dim']} times {heads} heads must be the hidden size {hidden}"
+        )
+    if (raw.get("pretraining_tp") or 1) != 1:
+        raise ConfigError(f"pretraining_tp must be 1, got {raw['pretraining_tp']!r}")
+    # rotary positions have no table: a longer context is served up to the longest prompt
+    positions = min(_int(raw, "max_position_embeddings", 2048), MAX_PROMPT_TOKENS)
+    window = raw.get("sliding_window", 4096 if model_type == "mistral" else None)
+    if window is not None and _flag(raw, "use_sliding_window", model_type != "qwen2"):
+        # a sequence no longer than the window never meets its mask: serve only those
+        positions = min(positions, _int(raw, "sliding_window"))
+    attention_bias = _flag(raw, "attention_bias", False)
+    qwen = model_type == "qwen2"
+    kv = raw.get("num_key_value_heads")
+    config = _bounded(
+        {
+            "kind": "decoder",
+            "layers": _int(raw, "num_hidden_layers", 32),
+            "hidden": hidden,
+            "heads": heads,
+            "ffn": _int(raw, "intermediate_size", 11008),
+            "vocab_size": _int(raw, "vocab_size", _LLAMA_VOCAB[model_type]),
+            "max_positions": positions,
+            "ln_eps": _float(raw, "rms_norm_eps", 1e-6),
+            "kv_heads": heads if kv is None else _int(raw, "num_key_value_heads"),
+            "norm": "rms",
+            "positions": "rope",
+            "rope_theta": _rope_theta(raw),
+            "mlp": "swiglu",
+            "qkv_bias": qwen or attention_bias,
+            "o_bias": attention_bias and not qwen,
+            "mlp_bias": _flag(raw, "mlp_bias", False),
+            # the bare model has no head: its logits come through the embedding
+            "tied_head": _flag(raw, "tie_word_embeddings", False) or arch.endswith("Model"),
+        }
+    )
+
+    def recipes(names: Container[str]) -> dict[str, Recipe]:
+        p = _prefix(names, "embed_tokens.weight", ("model.", ""))
+        shapes = expected_shapes(config)
+        out: dict[str, Recipe] = {
+            "embed.token": (Part(f"{p}embed_tokens.weight", shapes["embed.token"]),),
+            "final_norm.weight": (Part(f"{p}norm.weight", shapes["final_norm.weight"]),),
+        }
+        if "lm_head.weight" in shapes:
+            out["lm_head.weight"] = (Part("lm_head.weight", shapes["lm_head.weight"]),)
+        for i in range(config.layers):
+            for ours, theirs in _LLAMA_PAIRS.items():
+                for part in ("weight", "bias"):
+                    key = layer_key(i, f"{ours}.{part}")
+                    if key in shapes:
+                        out[key] = (Part(f"{p}layers.{i}.{theirs}.{part}", shapes[key]),)
+        return out
+
+    return Layout(config, recipes)
+
+
 MODEL_TYPES: dict[str, Callable[[Mapping[str, Any]], Layout]] = {
     "gpt2": _gpt2,
     "bert": _bert,
+    "llama": _llama,
+    "mistral": _llama,
+    "qwen2": _llama,
 }
 """Each `model_type` of config.json we serve, and how to read its folder."""
 

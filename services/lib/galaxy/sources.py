@@ -1,14 +1,16 @@
 """The served weights a device builds from a serving spec, and the part of them it keeps.
 
 Every device builds its weights from the same source (a seeded random
-initialisation, a seeded `transformers` model, or a training checkpoint), so
-no weights cross the network at load time, and keeps only its shard: under a
-weight-splitting plan a device holds its heads' rows of Q, K, V and columns of
-O, and its MLP columns of `up` and `down`, which is what lets a model too big
-for any one device be served (Galaxy Eq. 5). A seeded initialisation is built
-tensor by tensor (`init_shard`), so the whole model never exists on a device;
-the other two sources build it whole first (transformers builds whole models,
-and a checkpoint is read whole).
+initialisation, a seeded `transformers` model, a training checkpoint, or a
+model folder on its disk), so no weights cross the network at load time, and
+keeps only its shard: under a weight-splitting plan a device holds its heads'
+rows of Q and columns of O, its KV groups' rows of K and V, and its MLP columns
+of `gate`, `up` and `down` (`cut_of`), which is what lets a model too big for
+any one device be served (Galaxy Eq. 5). A seeded initialisation is built
+tensor by tensor (`init_shard`) and a folder is read slice by slice
+(`pretrained.load_shard`), so the whole model never exists on a device; the
+other two sources build it whole first (transformers builds whole models, and
+a checkpoint is read whole).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ __all__ = [
     "cut_of",
     "from_checkpoint",
     "init_shard",
-    "kv_range",
     "shard",
     "transformers_model",
     "transformers_weights",
@@ -111,26 +112,6 @@ _FFN_ROW_CUTS = ("up.weight", "up.bias", "gate.weight", "gate.bias")
 _WHOLE = slice(None)
 
 
-def kv_range(config: TransformerConfig, heads: range) -> range:
-    """The key/value heads that query `heads` use (the same range without GQA).
-
-    Under grouped-query attention `heads / kv_heads` query heads share one key
-    and value head, so a device's query heads must be whole groups: its keys and
-    values are then only its own groups' rows.
-
-    Raises:
-        ConfigError: If `heads` splits a group.
-
-    """
-    group = config.group_size
-    if heads.start % group or heads.stop % group:
-        raise ConfigError(
-            f"heads {heads.start}..{heads.stop - 1} split a key/value group of {group} "
-            f"query heads ({config.heads} heads, {config.kv_groups} key/value heads)"
-        )
-    return range(heads.start // group, heads.stop // group)
-
-
 def cut_of(name: str, config: TransformerConfig, heads: range, cols: range) -> tuple[slice, slice]:
     """The rows and columns of model tensor `name` a device keeps for `heads` and MLP `cols`.
 
@@ -140,7 +121,7 @@ def cut_of(name: str, config: TransformerConfig, heads: range, cols: range) -> t
     d = config.head_dim
     kind = name.split(".", 2)[2] if name.startswith("layers.") else ""  # "layers.3.q.weight"
     if kind in _ROW_CUTS:
-        cut = heads if kind[0] == "q" else kv_range(config, heads)
+        cut = heads if kind[0] == "q" else config.kv_range(heads)
         return slice(cut.start * d, cut.stop * d), _WHOLE
     if kind == "o.weight":
         return _WHOLE, slice(heads.start * d, heads.stop * d)

@@ -22,8 +22,10 @@ from services.lib.galaxy.weights import expected_shapes, from_transformers
 from services.worker.galaxy import hmp
 from services.worker.galaxy.collectives import row_offsets
 from services.worker.galaxy.hmp import RingLayout
+from services.worker.galaxy.profiling import profile_blocks
 from services.worker.galaxy.ring import LocalRing, local_rings
 from tests.galaxy.test_collectives import run_on_ring
+from tests.gpu import exact_cuda
 
 transformers = pytest.importorskip("transformers")
 
@@ -296,3 +298,23 @@ def test_weight_bytes_count_every_tensor_of_a_llama() -> None:
     assert sizes["attention"] == 4 * attn_numel // config.layers
     total = sum(t.numel() for t in w.values())
     assert sizes["other"] == 4 * (total - mlp_numel - attn_numel)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_llama_runs_on_the_gpu_as_transformers_does() -> None:
+    hf, (config, w) = _hf(), _ours()
+    ids = _prompt()
+    layout = RingLayout("local", (4,), (FFN,), (T,))
+    with exact_cuda() as gpu:
+        on_gpu = {k: v.to(gpu) for k, v in w.items()}
+        with torch.no_grad():
+            logits = hmp.run(None, layout, on_gpu, config, ids.to(gpu))
+        tokens = hmp.generate(None, layout, on_gpu, config, ids.to(gpu), NEW)
+        profile = profile_blocks(config, 8, [2, 4], [FFN], [8], 2, compute=gpu)
+    reference = _hf_logits(hf, ids)
+    assert logits.device == gpu
+    scale = float(reference.abs().max())
+    assert float((logits.cpu() - reference).abs().max()) <= 1e-4 * scale
+    assert tokens == _hf_generate(hf, ids)
+    assert [n for n, _ in profile.mha] == [2, 4]

@@ -17,6 +17,7 @@ and absent biases.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 
@@ -156,6 +157,15 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@functools.lru_cache(maxsize=16)
+def _inv_freq(theta: float, d: int, device: torch.device) -> Tensor:
+    """RoPE's inverse frequencies, computed on the CPU as transformers does, kept per device.
+
+    A decode step rotates every layer's new row: the table is made once, not per call.
+    """
+    return (1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(device)
+
+
 def rotate(q: Tensor, k: Tensor, offset: int, config: TransformerConfig) -> tuple[Tensor, Tensor]:
     """Rotary positions on queries and keys `(h, t, d)` whose row 0 sits at `offset`.
 
@@ -167,11 +177,10 @@ def rotate(q: Tensor, k: Tensor, offset: int, config: TransformerConfig) -> tupl
         return q, k
     if offset < 0:
         raise ConfigError(f"rotary offset must be >= 0, got {offset}")
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    pos = torch.arange(offset, offset + q.shape[1], dtype=torch.float32)
+    inv_freq = _inv_freq(config.rope_theta, config.head_dim, q.device)
+    pos = torch.arange(offset, offset + q.shape[1], dtype=torch.float32, device=q.device)
     freqs = pos[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1).to(q.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 

@@ -1,4 +1,4 @@
-"""Galaxy serving on the emulated edge testbed: galaxy, megatron, sp and local, side by side.
+"""Galaxy serving on the emulated edge testbed: galaxy, megatron, sp, local and auto, side by side.
 
     python -m tests.bench.bench_galaxy [--out DIR] [--envs galaxy-a,...] [--models ...]
         [--layers bert_small=4,distilbert=6,gpt2=6] [--requests N] [--sweep-env E]
@@ -14,9 +14,18 @@ workers report is not run but marked OOM, as the paper marks them. Beside each
 latency is the cost model's prediction for the plan the coordinator ran, from
 the host's block profile scaled by each device's CPU quota. On `--sweep-env` the
 links are re-shaped in place to each of `--links` for galaxy (overlap on and
-off), megatron and sp; on `--memory-env` a model too big for one device is
-planned (and galaxy's plan run). Algorithm 1's planning time is measured for
-4 devices. Outputs: DIR/results.md, DIR/results.json, DIR/latency.png, DIR/sweep.png.
+off), megatron, sp, local and auto; on `--memory-env` a model too big for one
+device is planned (and the plans that fit run). Algorithm 1's planning time is
+measured for 4 devices. Outputs: DIR/results.md, DIR/results.json,
+DIR/latency.png, DIR/sweep.png.
+
+`auto` is the coordinator's own choice of mode and devices (one device
+included) by the cost model, from the profiles the devices send (their ring
+step cost included) and the link: its rate, and its fixed cost per ring step,
+fitted on each testbed to the splits measured before (`fitted_step_latency`).
+Every cell is also predicted from the devices' profiles with the testbed's
+final fitted value, so predicted / measured shows how well one number per
+testbed explains all its cells.
 """
 
 from __future__ import annotations
@@ -253,13 +262,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results/galaxy"))
     envs = "galaxy-a,galaxy-b,galaxy-c,galaxy-d,galaxy-e,galaxy-f"
     parser.add_argument("--envs", default=envs, help="Galaxy presets, in order")
-    parser.add_argument("--models", default=",".join(MODELS), help="models of the grid")
+    parser.add_argument(
+        "--models",
+        default="bert_small",
+        help=f"models of the grid, of {','.join(MODELS)} (768-wide ones need fresh workers "
+        "per job: about 90 s a cell on this testbed)",
+    )
     parser.add_argument("--layers", default="gpt2=6", help="MODEL=N,... (default: all)")
     parser.add_argument("--requests", type=int, default=3, help="timed requests per cell")
     parser.add_argument("--link", default="125mbit", help="every device's link rate")
     parser.add_argument("--sweep-env", default="galaxy-d")
-    parser.add_argument("--sweep-model", default="distilbert")
-    parser.add_argument("--links", default="50,125,250,500,1000", help="sweep rates, Mbit/s")
+    parser.add_argument("--sweep-model", default="bert_small")
+    parser.add_argument("--links", default="50,250,1000", help="sweep rates, Mbit/s")
     parser.add_argument("--memory-env", default="galaxy-d")
     parser.add_argument("--memory-model", default="distilbert")
     parser.add_argument("--memory-layers", type=int, default=9)

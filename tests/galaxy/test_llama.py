@@ -318,3 +318,34 @@ def test_a_llama_runs_on_the_gpu_as_transformers_does() -> None:
     assert float((logits.cpu() - reference).abs().max()) <= 1e-4 * scale
     assert tokens == _hf_generate(hf, ids)
     assert [n for n, _ in profile.mha] == [2, 4]
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_the_transformers_and_init_sources_build_llama_shapes(qkv_bias: bool) -> None:
+    config = TransformerConfig(
+        "decoder", 2, 48, 6, FFN, 100, 32, 1e-6, kv_heads=3, norm="rms", positions="rope",
+        rope_theta=5e5, mlp="swiglu", qkv_bias=qkv_bias, o_bias=False, mlp_bias=False,
+        tied_head=qkv_bias,
+    )  # fmt: skip
+    hf = sources.transformers_model(config, seed=2)
+    assert type(hf).__name__ == ("Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM")
+    w = sources.transformers_weights(config, seed=2)
+    ids = _prompt()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.forward(ids, w, config), _hf_logits(hf, ids), rtol=0, atol=ATOL
+        )
+    layout = LAYOUTS["6q3kv"]["galaxy3-overlap"]
+    heads, cols = row_offsets(list(layout.heads)), row_offsets(list(layout.cols))
+    shards = [
+        sources.init_shard(config, 4, range(heads[d], heads[d + 1]), range(cols[d], cols[d + 1]))
+        for d in range(3)
+    ]
+    expected = model.generate(ids, model.init_weights(config, 4), config, NEW)
+    got = run_on_ring(
+        3,
+        lambda r: hmp.generate(
+            r, layout, shards[r.rank], config, ids, NEW, timeout_s=10, sharded=True
+        ),
+    )
+    assert got == [expected] * 3

@@ -25,7 +25,12 @@ from common.extras import require
 from common.galaxy.config import TransformerConfig
 from common.store import Store
 from services.lib.galaxy.model import init_tensor
-from services.lib.galaxy.weights import expected_shapes, from_bert_small, from_transformers
+from services.lib.galaxy.weights import (
+    expected_shapes,
+    from_bert_small,
+    from_transformers,
+    llama_family_model,
+)
 
 __all__ = [
     "cut_of",
@@ -38,7 +43,7 @@ __all__ = [
 
 
 def transformers_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
-    """A `transformers` GPT-2 (decoder) or BERT (encoder) of this shape, seeded, in eval mode.
+    """A `transformers` GPT-2 or Llama-family (decoder) or BERT (encoder) of this shape, seeded.
 
     Built from a configuration only: random weights, nothing downloaded.
     """
@@ -46,7 +51,9 @@ def transformers_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     model: torch.nn.Module
-    if config.kind == "decoder":
+    if config.positions == "rope":
+        model = llama_family_model(config)
+    elif config.kind == "decoder":
         model = transformers.GPT2LMHeadModel(
             transformers.GPT2Config(
                 n_layer=config.layers,

@@ -24,7 +24,13 @@ from common.galaxy.config import TransformerConfig, layer_key
 if TYPE_CHECKING:
     from common.zoo import ZooModel
 
-__all__ = ["check_weights", "expected_shapes", "from_bert_small", "from_transformers"]
+__all__ = [
+    "check_weights",
+    "expected_shapes",
+    "from_bert_small",
+    "from_transformers",
+    "llama_family_model",
+]
 
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 _LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2")
@@ -182,6 +188,49 @@ def _llama_config(model: nn.Module) -> TransformerConfig:
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         tied_head=bool(getattr(hf, "tie_word_embeddings", False)),
     )
+
+
+def llama_family_model(config: TransformerConfig) -> nn.Module:
+    """A randomly initialised `transformers` causal LM of a Llama-family shape.
+
+    The inverse of `from_transformers` for it: Llama, or Qwen2 for biases on q,
+    k, v but not o. Seed torch first for reproducible weights.
+
+    Raises:
+        ConfigError: If no Llama-family class has this shape (a GPT-2 or BERT option set).
+
+    """
+    transformers = require("transformers", "a model built by transformers")
+
+    llama = ("decoder", "rms", "rope", "swiglu")
+    qwen = config.qkv_bias and not config.o_bias
+    if (config.kind, config.norm, config.positions, config.activation) != llama or (
+        config.o_bias and not config.qkv_bias
+    ):
+        raise ConfigError(
+            "a Llama-family model is a decoder with rms norm, rope positions and a swiglu MLP, "
+            f"biases on q, k, v and o alike or on q, k, v only (Qwen2); got {config}"
+        )
+    fields: dict[str, Any] = {
+        "num_hidden_layers": config.layers,
+        "hidden_size": config.hidden,
+        "num_attention_heads": config.heads,
+        "num_key_value_heads": config.kv_groups,
+        "intermediate_size": config.ffn,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_positions,
+        "rms_norm_eps": config.ln_eps,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tied_head,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+    if qwen:
+        if config.mlp_bias:
+            raise ConfigError("Qwen2 has no MLP biases; mlp_bias must be False with o_bias off")
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields))  # type: ignore[no-any-return]
+    fields.update(attention_bias=config.qkv_bias, mlp_bias=config.mlp_bias)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))  # type: ignore[no-any-return]
 
 
 def _from_llama(model: nn.Module) -> tuple[TransformerConfig, dict[str, Tensor]]:

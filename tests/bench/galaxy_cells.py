@@ -229,7 +229,7 @@ def predicted_s(
 def ring_steps(plan: InferencePlan, layers: int) -> int:
     """Ring steps one request takes under `plan` (the cost model's count)."""
     n = len(plan.devices)
-    return layers * (2 if plan.mode == "sp" else 4) * (n - 1)
+    return layers * (1 if plan.mode == "sp" else 4) * (n - 1)
 
 
 def fitted_step_latency(cell: Cell) -> float | None:

@@ -103,7 +103,7 @@ def predict(
 
     Per layer: galaxy runs AllGather, MHA, ReduceScatter, connective, then the same
     around the MLP; megatron an AllReduce after MHA and after MLP with replicated
-    connective blocks; sp two AllGathers (keys and values) with each device running
+    connective blocks; sp one AllGather (keys and values side by side) with each device running
     whole blocks on its rows (time scaled by rows / seq_len); local no communication.
 
     Every ring step adds `step_latency_s` and the slowest member's `step_s`
@@ -136,10 +136,14 @@ def predict(
         # an AllReduce of the (t, hidden) output in D even chunks is RS + AG: 2 (D-1) steps
         step = ring_step_s(t / n, hidden, bandwidth_bps)
         steps = 2 * 2 * (n - 1)
-    else:
-        # galaxy: 2 AllGather + 2 ReduceScatter; sp: 2 AllGather; a step moves the largest tile
+    elif plan.mode == "galaxy":
+        # 2 AllGather + 2 ReduceScatter; a step moves the largest tile
         step = ring_step_s(max(plan.rows), hidden, bandwidth_bps)
-        steps = (4 if plan.mode == "galaxy" else 2) * (n - 1)
+        steps = 4 * (n - 1)
+    else:
+        # sp: one AllGather of keys and values together, a tile twice as wide
+        step = ring_step_s(max(plan.rows), 2 * hidden, bandwidth_bps)
+        steps = n - 1
     comm = steps * (step + fixed)
     hidden_s = 0.0
     if plan.overlap and n > 1:

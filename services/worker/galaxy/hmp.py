@@ -305,13 +305,10 @@ def _sp_layer(s: _Step, i: int, x: Tensor, tag: str) -> Tensor:
     w, cfg = s.w, s.cfg
     q, k, v = blocks.qkv(blocks.attention_input(x, w, i, cfg), w, i, s.wheads, cfg)
     q, k = blocks.rotate(q, k, s.offset + s.start, cfg)  # own rows, before keys travel
-    k, v = (
-        _rows_to_heads(
-            all_gather(s.ring, f"{tag}/{n}", _heads_to_rows(y), s.counts, timeout_s=s.timeout_s),
-            cfg.head_dim,
-        )
-        for n, y in (("k", k), ("v", v))
-    )
+    # keys and values travel together: one ring step per tile instead of two
+    kv = torch.cat([_heads_to_rows(k), _heads_to_rows(v)], dim=1)
+    kv = all_gather(s.ring, f"{tag}/kv", kv, s.counts, timeout_s=s.timeout_s)
+    k, v = (_rows_to_heads(y, cfg.head_dim) for y in kv.chunk(2, dim=1))
     context = _attend(s, i, q, k, v, s.offset + s.start)
     h, mlp_in = blocks.after_attention(x, blocks.out_partial(context, w, i, s.wheads), w, i, cfg)
     e = blocks.mlp_up(mlp_in, w, i, s.wcols, cfg)

@@ -41,12 +41,12 @@ LONG = TransformerShape(
     heads=8,
     ffn=128,
     vocab_size=300,
-    max_positions=256,
+    max_positions=128,
     ln_eps=1e-5,
 )
 """Deep and long enough that a generation is still running when its worker is killed."""
 PROMPT = [5, 17, 3, 250, 9, 9, 1, 42, 7, 7, 100, 2]
-NEW = 160
+NEW = 96
 SEQ = 12
 WORKERS = ["a", "b", "c"]
 
@@ -103,6 +103,11 @@ def core_of(serving: Serving) -> Serve | None:
     return active.core if isinstance(active, ServeRun) else None
 
 
+def serving_now(serving: Serving) -> bool:
+    core = core_of(serving)
+    return core is not None and core.phase == "serving"
+
+
 def wait_for(what: str, ready: Callable[[], bool], timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
@@ -122,10 +127,7 @@ def test_a_worker_killed_mid_generation_is_recovered_from_and_a_new_one_joins(st
     serving = start(256 << 20)
     spec = ServeSpec(serve_id="gpt-rec", model=LONG, seed=3, mode="galaxy", seq_len=SEQ)
     serving.start(spec)
-    config = LONG.config()
-    w = model.init_weights(config, 3)
-    with torch.no_grad():
-        want = model.generate(torch.tensor(PROMPT), w, config, NEW)
+    wait_for("the shards to be loaded", lambda: serving_now(serving))
     core = core_of(serving)
     assert core is not None and core.plan is not None
     assert sorted(core.plan.devices) == WORKERS
@@ -148,6 +150,12 @@ def test_a_worker_killed_mid_generation_is_recovered_from_and_a_new_one_joins(st
     serving.cluster.procs[victim].send_signal(signal.SIGKILL)
     killed_at = len(core_of(serving).running.generated)  # type: ignore[union-attr]
     assert killed_at < NEW, "the generation ended before the worker was killed"
+    # a new worker starts meanwhile: it is taken in once the request is answered
+    serving.cluster.start_workers(["d"])
+    config = LONG.config()
+    w = model.init_weights(config, 3)
+    with torch.no_grad():
+        want = model.generate(torch.tensor(PROMPT), w, config, NEW)
     asking.join(150)
     assert not asking.is_alive() and len(replies) == 1
     reply = replies[0]
@@ -163,9 +171,7 @@ def test_a_worker_killed_mid_generation_is_recovered_from_and_a_new_one_joins(st
     assert float(recovered[0]["recovery_s"]) > 0
     assert victim in json.loads(recovered[0]["lost"])
 
-    # a new worker is taken in at the next idle moment: the next plan includes it
-    serving.cluster.start_workers(["d"])
-
+    # the new worker is taken in at the next idle moment: the next plan includes it
     def joined() -> bool:
         core = core_of(serving)
         return (

@@ -1,12 +1,12 @@
 """The real `openai` client against `asteroid-gateway` over a model folder served by real workers.
 
-A tiny GPT-2 saved by `transformers` with a tokenizer trained here; three
-workers serve it, the coordinator runs on a thread of the test, the gateway is
-its own process started by its installed command. Answers are checked against
-`transformers`' own greedy `generate` on the ids the chat template gives; bad
-requests get their HTTP errors, a flood is held to the gateway's bound with
-429s, a client leaving mid-stream harms nothing, and the gateway stops cleanly
-on SIGTERM.
+A tiny Llama (grouped-query attention, RoPE; GPT-2 among the slow tests) saved
+by `transformers` with a tokenizer trained here; three workers serve it, the
+coordinator runs on a thread of the test, the gateway is its own process
+started by its installed command. Answers are checked against `transformers`'
+own greedy `generate` on the ids the chat template gives; bad requests get
+their HTTP errors, a flood is held to the gateway's bound with 429s, a client
+leaving mid-stream harms nothing, and the gateway stops cleanly on SIGTERM.
 """
 
 from __future__ import annotations
@@ -43,22 +43,25 @@ CHAT = [
 ]
 
 
-def _model_folder(folder: Path) -> Path:
-    """A 2-layer GPT-2 over the trained tokenizer's vocabulary, weights perturbed."""
+def _model_folder(folder: Path, kind: str) -> Path:
+    """A 2-layer GPT-2, or Llama (GQA, RoPE), over the trained tokenizer's vocabulary."""
     import transformers
 
     tok = byte_level_tokenizer()
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=4,
-        vocab_size=tok.get_vocab_size(),
-        n_positions=128,
-        bos_token_id=tok.token_to_id("<s>"),
-        eos_token_id=tok.token_to_id("</s>"),
-        attn_implementation="eager",
-    )
-    model = transformers.GPT2LMHeadModel(config)
+    ends = {"bos_token_id": tok.token_to_id("<s>"), "eos_token_id": tok.token_to_id("</s>")}
+    if kind == "gpt2":
+        config: Any = transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=tok.get_vocab_size(), n_positions=128,
+            attn_implementation="eager", **ends,
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=48, vocab_size=tok.get_vocab_size(), max_position_embeddings=128,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="eager", **ends,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in model.parameters():
@@ -129,10 +132,13 @@ def _post(url: str, body: dict[str, Any], key: str = KEY) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
 
-def test_the_openai_client_completes_and_streams_a_chat(serving: Serving, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_the_openai_client_completes_and_streams_a_chat(
+    serving: Serving, tmp_path: Path, kind: str
+) -> None:
     gateway = Gateway(serving)  # first: its start overlaps the folder's making
     try:
-        folder = _model_folder(tmp_path / "model")
+        folder = _model_folder(tmp_path / kind, kind)
         text = load_text(folder)
         gateway.wait_ready()
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0)

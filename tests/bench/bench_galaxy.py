@@ -53,6 +53,7 @@ from tests.bench.deadline import deadline_check
 from tests.bench.galaxy_cells import (
     MODELS,
     Cell,
+    compute_scale,
     device_profiles,
     fitted_step_latency,
     host_profile,
@@ -170,6 +171,30 @@ def _budgets(spec: TestbedSpec) -> dict[str, int]:
     return {d.name: planned.device(d.name).memory_bytes for d in spec.devices}
 
 
+def _scales(cells: Sequence[Cell]) -> dict[str, float]:
+    """Per model, the median compute scale of its measured one-device cells."""
+    got: dict[str, list[float]] = {}
+    for c in cells:
+        if c.mode != "auto" and (k := compute_scale(c)) is not None:
+            got.setdefault(c.model, []).append(k)
+    return {m: statistics.median(v) for m, v in got.items()}
+
+
+def env_step_latency(cells: Sequence[Cell]) -> float | None:
+    """The link's fixed seconds per ring step on one testbed: the median over its splits.
+
+    Each measured split (auto's aside) gives the latency that would have predicted
+    it, with compute corrected by its model's one-device cells; None before any.
+    """
+    scales = _scales(cells)
+    fits = [
+        f
+        for c in cells
+        if c.mode != "auto" and (f := fitted_step_latency(c, scales.get(c.model, 1.0))) is not None
+    ]
+    return statistics.median(fits) if fits else None
+
+
 def run_env(
     env: str,
     args: argparse.Namespace,
@@ -212,8 +237,6 @@ def run_env(
         store = Store(bed.redis_url, bed.cluster)
         current = link
         served: tuple[str, int] | None = None
-        fits: list[float] = []
-        """Per measured split: the link's step latency that would have predicted it."""
         try:
             for cell in todo:
                 if past():
@@ -229,7 +252,7 @@ def run_env(
                 if served and (big or (cell.model, cell.layers) != served):
                     fresh_workers(bed, store)
                 served = (cell.model, cell.layers)
-                latency = statistics.median(fits) if fits else None
+                latency = env_step_latency([c for c in results.cells if c.env == env])
                 serve_cell(bed, store, cell, profiles, budgets, args.requests, stop, latency)
                 if cell.state == "failed" and not stop.is_set():
                     first = cell.note.strip()
@@ -237,9 +260,6 @@ def run_env(
                     cell = replace(cell, state="skipped", latencies_s=[], note="")
                     serve_cell(bed, store, cell, profiles, budgets, args.requests, stop, latency)
                     cell.note = f"retried on new workers after: {first}; {cell.note}"
-                fitted = fitted_step_latency(cell) if cell.mode != "auto" else None
-                if fitted is not None:
-                    fits.append(fitted)
                 results.add(cell)
                 print(
                     f"  {cell.part} {cell.model}({cell.layers}) {cell.mode} {cell.link_mbit:g}M: "
@@ -249,12 +269,12 @@ def run_env(
                 )
         finally:
             store.close()
-        if fits:  # every cell of the env predicted again with the env's one fitted latency
-            latency = statistics.median(fits)
-            for done in results.cells:
-                if done.env == env:
-                    repredict(done, latency)
-            results.save()
+        # every cell of the env predicted again with the env's fitted figures
+        here = [c for c in results.cells if c.env == env]
+        latency, scales = env_step_latency(here), _scales(here)
+        for done in here:
+            repredict(done, latency or 0.0, scales.get(done.model, 1.0))
+        results.save()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ __all__ = [
     "VOCAB",
     "Cell",
     "ModelSize",
+    "compute_scale",
     "device_profiles",
     "fitted_step_latency",
     "host_profile",
@@ -142,6 +143,8 @@ class Cell:
     """The profiles the devices sent (JSON), for predicting again with a fitted step latency."""
     step_latency_s: float | None = None
     """The link's fixed seconds per ring step `predicted_dev_s` assumes (and auto was given)."""
+    compute_scale: float = 1.0
+    """The factor on the profiles' compute `predicted_dev_s` assumes (`compute_scale`)."""
 
     @property
     def overlap(self) -> bool:
@@ -232,37 +235,55 @@ def ring_steps(plan: InferencePlan, layers: int) -> int:
     return layers * (1 if plan.mode == "sp" else 4) * (n - 1)
 
 
-def fitted_step_latency(cell: Cell) -> float | None:
+def _priced(cell: Cell) -> tuple[int, float, float] | None:
+    """(ring steps, compute seconds, ring seconds without link latency) of `cell`'s plan.
+
+    From the profiles the devices sent (their measured ring step work included);
+    the ring part is what tile overlap leaves of it. None without a plan or profiles.
+    """
+    if not cell.plan or not cell.dev_profiles:
+        return None
+    plan = InferencePlan.model_validate(cell.plan)
+    profiles = {d: BlockProfile.model_validate(p) for d, p in cell.dev_profiles.items()}
+    config = shape(cell.model, cell.layers).config()
+    p = predict(plan, config, profiles, cell.link_mbit * 1e6, step_latency_s=0.0)
+    return ring_steps(plan, cell.layers), p.mha_s + p.mlp_s + p.con_s, p.comm_s - p.hidden_s
+
+
+def compute_scale(cell: Cell) -> float | None:
+    """Measured over predicted for a one-device cell: how far off the devices' profiles are.
+
+    A local plan has no ring, so its measurement is compute alone; the ratio
+    corrects the profiles' compute for the other cells of the same testbed and model.
+    """
+    priced = _priced(cell)
+    if cell.median_s is None or priced is None or priced[0] or not priced[1] > 0:
+        return None
+    return cell.median_s / priced[1]
+
+
+def fitted_step_latency(cell: Cell, scale: float = 1.0) -> float | None:
     """The link's fixed seconds per ring step that makes the cost model meet `cell`'s median.
 
-    From the devices' own profiles (their measured ring step work included):
-    what the measurement has beyond the prediction without any link latency,
-    spread over the request's ring steps. None for a cell without ring steps or
-    without a measurement.
+    What the measurement has beyond the prediction without any link latency
+    (compute times `scale`, see `compute_scale`), spread over the request's ring
+    steps. None for a cell without ring steps or without a measurement.
     """
-    if cell.median_s is None or not cell.plan or not cell.dev_profiles:
+    priced = _priced(cell)
+    if cell.median_s is None or priced is None or not priced[0]:
         return None
-    plan = InferencePlan.model_validate(cell.plan)
-    steps = ring_steps(plan, cell.layers)
-    if steps == 0:
-        return None
-    profiles = {d: BlockProfile.model_validate(p) for d, p in cell.dev_profiles.items()}
-    config = shape(cell.model, cell.layers).config()
-    bare = predicted_s(plan, config, profiles, cell.link_mbit * 1e6, 0.0)[0]
-    return max(0.0, (cell.median_s - bare) / steps)
+    steps, compute, ring = priced
+    return max(0.0, (cell.median_s - scale * compute - ring) / steps)
 
 
-def repredict(cell: Cell, step_latency_s: float) -> None:
-    """Set `cell`'s device-profile prediction for a link step latency of `step_latency_s`."""
-    if not cell.plan or not cell.dev_profiles:
+def repredict(cell: Cell, step_latency_s: float, scale: float = 1.0) -> None:
+    """Set `cell`'s device-profile prediction for a link step latency and compute scale."""
+    priced = _priced(cell)
+    if priced is None:
         return
-    plan = InferencePlan.model_validate(cell.plan)
-    profiles = {d: BlockProfile.model_validate(p) for d, p in cell.dev_profiles.items()}
-    config = shape(cell.model, cell.layers).config()
-    cell.step_latency_s = step_latency_s
-    cell.predicted_dev_s = predicted_s(
-        plan, config, profiles, cell.link_mbit * 1e6, step_latency_s
-    )[0]
+    steps, compute, ring = priced
+    cell.step_latency_s, cell.compute_scale = step_latency_s, scale
+    cell.predicted_dev_s = scale * compute + ring + steps * step_latency_s
 
 
 def planning_time_s(

@@ -22,6 +22,7 @@ from tests.bench import bench_galaxy, galaxy_serve
 from tests.bench.galaxy_cells import (
     SEQ_LEN,
     Cell,
+    compute_scale,
     device_profiles,
     fitted_step_latency,
     host_profile,
@@ -209,6 +210,13 @@ def test_the_step_latency_fitted_to_a_measured_split_predicts_it_back() -> None:
     alone = plan_local(config, names, profiles, budgets, SEQ_LEN)
     local.plan, local.dev_profiles = alone.model_dump(mode="json"), cell.dev_profiles
     assert fitted_step_latency(local) is None  # no ring steps to spread anything over
+    alone_s = predict(alone, config, profiles, 125e6).total_s
+    local.median_s = 0.5 * alone_s  # the profiles say twice what the device takes
+    assert compute_scale(local) == pytest.approx(0.5)
+    assert bench_galaxy.env_step_latency([cell, local]) == pytest.approx(
+        fitted_step_latency(cell, 0.5)
+    )
+    assert fitted_step_latency(cell, 0.5) > 0.004  # less compute: more left for the steps
 
 
 def test_replot_rebuilds_the_report_from_results_json(tmp_path: Path) -> None:

@@ -104,6 +104,8 @@ async def _body(request: Request, limit: int) -> Any:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad(f"the body is not JSON: {exc}") from None
+    except RecursionError:  # nesting deeper than the parser's stack: no request looks so
+        raise _bad("the body is not JSON a request could be: nested too deep") from None
 
 
 def _stop_ids(served: ServedModel, stops: list[str]) -> list[int]:

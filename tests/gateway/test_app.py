@@ -205,16 +205,18 @@ def test_bad_requests_get_400_in_openai_shape(served, body, param):
 
 
 def test_unknown_model_oversized_and_malformed_bodies(served):
-    app, _ = make_app(served, FakeCoordinator(served), body=1000)
+    app, _ = make_app(served, FakeCoordinator(served), body=2000)
 
     async def go() -> None:
         async with client(app) as http:
             unknown = await http.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4"})
-            big = await http.post("/v1/chat/completions", content=b"{" + b" " * 2000 + b"}")
+            big = await http.post("/v1/chat/completions", content=b"{" + b" " * 4000 + b"}")
             broken = await http.post("/v1/chat/completions", content=b"{not json")
+            deep = await http.post("/v1/chat/completions", content=b"[" * 900 + b"]" * 900)
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
         assert big.status_code == 413
         assert broken.status_code == 400 and "not JSON" in broken.json()["error"]["message"]
+        assert deep.status_code == 400
 
     run(go)
 

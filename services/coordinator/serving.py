@@ -6,8 +6,12 @@ of the job's mode splits heads, MLP columns and sequence rows under each
 device's memory budget (Algorithm 1 for `galaxy`), every device loads its
 shard, and then requests are run one at a time, in arrival order, on all
 devices at once; the rest wait in a bounded queue. Each answer records its
-latency in the job's `metrics` stream. The job ends when cancelled (its normal
-end) or when a device fails; training jobs queued meanwhile wait for it.
+latency in the job's `metrics` stream. A device lost meanwhile is planned
+around (`serve_recover`: the survivors load new shards under a new epoch and
+the request in flight runs again), and one that comes back is taken in at the
+next idle moment. The job ends when cancelled (its normal end), when a step
+fails, or when the survivors of a loss cannot hold the model; training jobs
+queued meanwhile wait for it.
 
 Every decision is `serve_core.apply`'s; `ServeRun` feeds it what the
 coordinator's socket brings (`Host.events`), the queue of requests and a

@@ -86,7 +86,7 @@ def recovered(serve: Serve, now: float) -> tuple[Serve, list[Command]]:
         "lost": list(rec.lost),
         "recovery_s": round(now - rec.silent_since, 6),
         "detect_s": round(rec.declared - rec.silent_since, 6),
-        "devices": list(serve.plan.devices) if serve.plan else [],
+        "serving_on": list(serve.plan.devices) if serve.plan else [],
     }
     commands: list[Command] = [
         AppendMetrics("the recovery after a device loss", entry),

@@ -146,7 +146,8 @@ class Serve:
     epoch: int
     """Tells this job's replies from any earlier job's."""
     devices: tuple[DeviceId, ...]
-    """The devices asked to join (the plan may use fewer: `local` uses one)."""
+    """The job's devices: those asked to join, less any lost, plus any taken in since
+    (the plan may use fewer: `local` uses one)."""
     started: float
     """When the job began: the join deadline counts from here."""
     phase: Phase = "joining"

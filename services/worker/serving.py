@@ -135,7 +135,7 @@ class Serving:
         self.stopped = stopped
         self.served: Served | None = None
         self._announced: tuple[str, int] | None = None
-        """The (job, epoch) of the newest LoadShard received, set as it arrives."""
+        """The (job, epoch) of the newest LoadShard or ProfileBlocks, set as it arrives."""
         self._shutdown: str | None = None
         """Why the coordinator asked the worker to shut down, set as the request arrives."""
 
@@ -144,10 +144,11 @@ class Serving:
 
         A LoadShard of another epoch (the coordinator re-planned after a device
         loss) makes the request under way stale: its ring waits end at once
-        rather than after `timeout_s`, so the new shard loads without delay. A
-        Shutdown ends it too (its ring may wait on a device the job lost).
+        rather than after `timeout_s`, so the new shard loads without delay. So
+        does the profiling of another job (the last one ended with its request cut
+        off), and a Shutdown (its ring may wait on a device the job lost).
         """
-        if isinstance(msg, LoadShard):
+        if isinstance(msg, LoadShard | ProfileBlocks):
             self._announced = (msg.serve_id, msg.epoch)
         elif isinstance(msg, Shutdown):
             self._shutdown = f"shutdown requested: {msg.reason}"
@@ -158,7 +159,8 @@ class Serving:
         def stopped() -> str | None:
             new = self._announced
             if new is not None and new != (msg.serve_id, msg.epoch):
-                return f"request {msg.round} of epoch {msg.epoch} is stale: epoch {new[1]} loads"
+                now = f"{new[0]}/{new[1]}"
+                return f"request {msg.round} of {msg.serve_id}/{msg.epoch} is stale: {now} comes"
             return self._shutdown or self.stopped()
 
         return stopped

@@ -17,7 +17,13 @@ import zmq
 from common.errors import RoundAbortedError
 from common.ids import DeviceId
 from common.messages import Shutdown
-from common.serving_messages import LoadShard, RunInference, ServeSpec, TransformerShape
+from common.serving_messages import (
+    LoadShard,
+    ProfileBlocks,
+    RunInference,
+    ServeSpec,
+    TransformerShape,
+)
 from services.coordinator.galaxy.planner import plan_megatron
 from services.lib.galaxy import sources
 from services.worker.serving import Served, Serving
@@ -75,7 +81,7 @@ def test_a_request_waiting_on_a_lost_peer_ends_when_a_new_epoch_is_announced(ser
     thread.join(30)
     assert not thread.is_alive(), "the stale request kept waiting"
     assert isinstance(outcome[0], RoundAbortedError)
-    assert "epoch 4 loads" in str(outcome[0])
+    assert "gpt/4 comes" in str(outcome[0])
 
 
 def test_a_request_of_the_announced_epoch_is_not_stale(serving):
@@ -84,7 +90,14 @@ def test_a_request_of_the_announced_epoch_is_not_stale(serving):
     msg = RunInference(serve_id="gpt", epoch=3, round=1, ids=[1], new_tokens=0)
     assert worker._stale(msg)() is None
     worker.announce(load_of(5, worker))
-    assert worker._stale(msg)() == "request 1 of epoch 3 is stale: epoch 5 loads"
+    assert worker._stale(msg)() == "request 1 of gpt/3 is stale: gpt/5 comes"
+    worker.announce(load_of(3, worker))
+    config = SHAPE.model_copy()
+    profile = ProfileBlocks(
+        serve_id="next", epoch=1, model=config, seq_len=8, heads=[4], cols=[64], rows=[8]
+    )
+    worker.announce(profile)  # the next job profiles: this one's request is over
+    assert worker._stale(msg)() == "request 1 of gpt/3 is stale: next/1 comes"
     shutdown = Shutdown(reason="test over")
     worker.announce(load_of(3, worker))
     worker.announce(shutdown)

@@ -9,6 +9,7 @@ The answers are compared with `transformers`' own forward of the same folder
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -46,6 +47,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "gpt2": hf_folders.save(hf_folders.gpt2(), root / "gpt2"),
         "bert": hf_folders.save(hf_folders.bert(), root / "bert"),
         "bert-cls": hf_folders.save(hf_folders.bert(classes=3), root / "bert-cls", shard_kb=8),
+        "llama": hf_folders.save(hf_folders.llama(), root / "llama", shard_kb=8),
     }
 
 
@@ -56,6 +58,7 @@ class Serving:
         self.cluster, self.coord = cluster, coord
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.serve_id: str | None = None
 
     def start(self, spec: ServeSpec) -> None:
         def serve() -> None:
@@ -66,6 +69,7 @@ class Serving:
 
         self.thread = threading.Thread(target=serve, name="coordinator", daemon=True)
         self.thread.start()
+        self.serve_id = spec.serve_id
         reply = ask_coordinator(self.cluster.addr, ServeModel(spec=spec), 30)
         assert reply.ok, reply.error
 
@@ -77,12 +81,16 @@ class Serving:
         assert not self.thread.is_alive(), "the serving job did not end after its cancel"
         assert self.error is None, self.error
 
-    def settle(self) -> None:
-        """After a failed test: stop the loop before this thread uses its socket."""
+    def settle(self, serve_id: str | None) -> None:
+        """After a failed test: cancel its job so that the next test finds the cluster idle."""
+        if self.thread is not None and self.thread.is_alive() and serve_id is not None:
+            ask_coordinator(self.cluster.addr, CancelJob(job_id=serve_id), 30)
+            self.thread.join(60)
         if self.thread is not None and self.thread.is_alive():
+            # the loop stops at its next turn, before this thread uses its socket
             self.coord.stop("test failed mid-serve")
             self.thread.join(30)
-        self.thread, self.error = None, None
+        self.thread, self.error, self.serve_id = None, None, None
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +121,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterato
 @pytest.fixture
 def serving(cluster: Serving) -> Iterator[Serving]:
     yield cluster
-    cluster.settle()
+    cluster.settle(cluster.serve_id)
 
 
 def _reference(folder: Path) -> Any:
@@ -138,8 +146,18 @@ def _spec(name: str, folder: Path, mode: str) -> ServeSpec:
     )
 
 
+def _check_split(serving: Serving, spec: ServeSpec) -> None:
+    """The job's plan really splits the model (heads, or rows for sp) over several devices."""
+    raw = serving.coord.store.get_fields("job", spec.serve_id)["plan"]
+    plan = json.loads(raw) if isinstance(raw, str | bytes) else raw
+    assert plan["mode"] == spec.mode
+    shares = plan["rows"] if spec.mode == "sp" else plan["heads"]
+    if spec.mode != "local":
+        assert sum(1 for n in shares if n) >= 2, plan
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["gpt2"])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_a_served_decoder_folder_answers_as_transformers_does(serving, folders, name, mode):
     folder = folders[name]
     spec = _spec(name, folder, mode)
@@ -148,6 +166,7 @@ def test_a_served_decoder_folder_answers_as_transformers_does(serving, folders, 
     for ids in PROMPTS:
         reply = infer_request(serving.cluster.addr, spec.serve_id, ids, new_tokens=NEW_TOKENS)
         assert reply.ok, reply.error
+        _check_split(serving, spec)  # answered: the job runs on its plan
         x = torch.tensor([ids])
         with torch.no_grad():
             want = model(x).logits[0, -1]
@@ -175,6 +194,7 @@ def test_a_served_encoder_folder_answers_as_transformers_does(serving, folders, 
     ids = PROMPTS[0]
     reply = infer_request(serving.cluster.addr, spec.serve_id, ids)
     assert reply.ok, reply.error
+    _check_split(serving, spec)
     with torch.no_grad():
         out = model(torch.tensor([ids]))
     # a classifier's logits; else the first position's hidden state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -101,6 +102,51 @@ def test_a_shard_read_from_the_folder_is_the_cut_of_the_whole_weights(folders, n
         assert torch.equal(got[key], want[key]), key
     assert got["layers.1.q.weight"].shape == (len(heads) * config.head_dim, config.hidden)
     assert got["layers.0.down.weight"].shape == (config.hidden, len(cols))
+
+
+class _Counting:
+    """A safetensors file that counts the numbers each read takes, and refuses whole reads."""
+
+    def __init__(self, handle, taken: list[int]) -> None:
+        self.handle, self.taken = handle, taken
+
+    def __getattr__(self, name: str):
+        if name == "get_tensor":
+            raise AssertionError("a whole tensor was read")
+        return getattr(self.handle, name)
+
+    def get_slice(self, name: str):
+        stored, taken = self.handle.get_slice(name), self.taken
+
+        class Slice:
+            def __getattr__(self, attr: str):
+                return getattr(stored, attr)
+
+            def __getitem__(self, index):
+                t = stored[index]
+                taken.append(t.numel())
+                return t
+
+        return Slice()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_shard_reads_only_the_numbers_it_keeps(folders, monkeypatch, name):
+    folder, _ = folders[name]
+    config = pretrained.read_config(folder)
+    taken: list[int] = []
+    real = pretrained.safe_open
+
+    @contextlib.contextmanager
+    def counting(path, framework):
+        with real(path, framework=framework) as handle:
+            yield _Counting(handle, taken)
+
+    monkeypatch.setattr(pretrained, "safe_open", counting)
+    shard = pretrained.load_shard(folder, config, range(2, 4), range(7, 19))
+    kept = sum(t.numel() for t in shard.values())
+    whole = sum(t.numel() for t in from_transformers(folders[name][1])[1].values())
+    assert sum(taken) == kept < whole
 
 
 def test_the_planned_model_must_be_the_folders(folders):

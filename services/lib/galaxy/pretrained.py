@@ -65,7 +65,7 @@ def _read_json(file: Path, limit: int) -> dict[str, Any]:
             value = json.loads(f.read(limit + 1))
     except FileNotFoundError:
         raise ConfigError(f"model folder {str(file.parent)!r} has no {file.name}") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise ConfigError(f"cannot read {file}: {exc}") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{file} must hold a JSON object, got {type(value).__name__}")

@@ -127,6 +127,9 @@ def test_a_worker_killed_mid_generation_is_recovered_from_and_a_new_one_joins(st
     serving = start(256 << 20)
     spec = ServeSpec(serve_id="gpt-rec", model=LONG, seed=3, mode="galaxy", seq_len=SEQ)
     serving.start(spec)
+    # a worker the job never had starts now (it boots meanwhile): the job, started on the
+    # three, takes it in place of the one it loses, once the request is answered
+    serving.cluster.start_workers(["d"])
     wait_for("the shards to be loaded", lambda: serving_now(serving))
     core = core_of(serving)
     assert core is not None and core.plan is not None
@@ -150,8 +153,6 @@ def test_a_worker_killed_mid_generation_is_recovered_from_and_a_new_one_joins(st
     serving.cluster.procs[victim].send_signal(signal.SIGKILL)
     killed_at = len(core_of(serving).running.generated)  # type: ignore[union-attr]
     assert killed_at < NEW, "the generation ended before the worker was killed"
-    # a new worker starts meanwhile: it is taken in once the request is answered
-    serving.cluster.start_workers(["d"])
     config = LONG.config()
     w = model.init_weights(config, 3)
     with torch.no_grad():

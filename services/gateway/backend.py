@@ -1,7 +1,7 @@
 """The gateway's side of the coordinator: admitted requests, their threads, their HTTP errors.
 
 A request to the coordinator is a blocking ZeroMQ exchange (`services.lib.infer_client`),
-so each admitted request runs on a thread of its own and hands what it receives
+so each admitted request runs on a (daemon) thread of its own and hands what it receives
 (`InferChunk`s, then the `InferReply`) to the HTTP side's event loop. `Gate` bounds
 how many are admitted: a request over the bound is refused at once (429), since a
 queue without end only turns a burst into timeouts. A slot is held until the
@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from common.errors import AsteroidError
@@ -105,11 +104,16 @@ class Streamer:
     def __init__(self, infer: Infer, gate: Gate) -> None:
         self.infer = infer
         self.gate = gate
-        self._pool = ThreadPoolExecutor(gate.size, thread_name_prefix="gateway-infer")
+        self._closed = threading.Event()
 
     def close(self) -> None:
-        """Stop taking requests; threads still waiting on the coordinator end by their timeout."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop taking requests.
+
+        A thread still waiting on the coordinator ends by its timeout, or with the
+        process: the threads are daemons, so a stop never waits on a coordinator
+        that went away.
+        """
+        self._closed.set()
 
     async def run(
         self, request: InferRequest, timeout_s: float
@@ -120,6 +124,8 @@ class Streamer:
         Leaving the iteration early (the HTTP client went away) leaves the thread
         to finish the exchange in the background.
         """
+        if self._closed.is_set():
+            raise GatewayError(503, "the gateway is stopping", "service_unavailable_error")
         self.gate.enter()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
@@ -145,13 +151,7 @@ class Streamer:
                     self.gate.leave()
                 put(_DONE)
 
-        try:
-            self._pool.submit(exchange)
-        except RuntimeError:  # shutting down
-            self.gate.leave()
-            raise GatewayError(
-                503, "the gateway is stopping", "service_unavailable_error"
-            ) from None
+        threading.Thread(target=exchange, name="gateway-infer", daemon=True).start()
         try:
             while True:
                 try:

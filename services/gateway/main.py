@@ -37,8 +37,8 @@ log = get_logger(__name__)
 
 POLL_S = 0.2
 """How often the main thread looks at the HTTP server's thread."""
-STOP_GRACE_S = 30.0
-"""Longest the HTTP server may take to finish its requests after a stop."""
+STOP_GRACE_S = 10.0
+"""Longest the HTTP server may take to finish its requests after a stop (then they are cut)."""
 
 
 def coordinator_infer(address: str, keys: CurveKeys | None) -> Infer:

@@ -191,7 +191,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, q_offset: int) -> Tens
     Plain matmul and softmax so every device computes the same function as the
     reference. Under grouped-query attention `k`, `v` have fewer heads than `q`
     (a divisor): query head `i` uses KV head `i // (hq // hkv)`, as transformers'
-    repeat_kv has it. Returns the context `(tq, hq * d)` with heads in order.
+    repeat_kv has it. A group's queries are stacked as rows against their one KV
+    head, so the (cached) keys and values are never copied per query head.
+    Returns the context `(tq, hq * d)` with heads in order.
     """
     if (
         q.dim() != 3
@@ -205,18 +207,18 @@ def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, q_offset: int) -> Tens
             f"attend needs q (hq, tq, d) and k, v (hkv, tk, d) alike with hkv dividing hq, "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if k.shape[0] and q.shape[0] != k.shape[0]:
-        group = q.shape[0] // k.shape[0]
-        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
     if q_offset < 0:
         raise ConfigError(f"q_offset must be >= 0, got {q_offset}")
     h, tq, d = q.shape
-    scores = torch.matmul(q, k.transpose(1, 2)) / math.sqrt(d)
+    hkv = k.shape[0]
+    group = h // hkv if hkv else 1
+    # (h, tq, d) -> (hkv, group * tq, d): query head kv*group + j is row block j of kv
+    scores = torch.matmul(q.reshape(hkv, group * tq, d), k.transpose(1, 2)) / math.sqrt(d)
     if causal:
-        q_pos = torch.arange(q_offset, q_offset + tq, device=q.device).unsqueeze(1)
+        q_pos = torch.arange(q_offset, q_offset + tq, device=q.device).repeat(group).unsqueeze(1)
         k_pos = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    context = torch.matmul(scores.softmax(dim=-1), v)
+    context = torch.matmul(scores.softmax(dim=-1), v).view(h, tq, d)
     return context.transpose(0, 1).reshape(tq, h * d)
 
 

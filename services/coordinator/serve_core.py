@@ -110,7 +110,9 @@ def start(
 ) -> Out:
     """A serving job from `now` on the spec's devices (none named: every `alive` worker)."""
     devices = tuple(spec.devices) if spec.devices else tuple(sorted(alive))
-    serve = Serve(spec, limits, epoch, devices, started=now, members=dict(members))
+    serve = Serve(
+        spec, limits, epoch, devices, started=now, members=dict(members), size=len(devices)
+    )
     if not devices:
         return fail(serve, "no worker is connected to serve on")
     return _joined_yet(serve, now, [SetAssigned(frozenset(devices))])
@@ -326,8 +328,10 @@ def _waited(serve: Serve, wait: core.Wait, event: core.Event, now: float) -> Out
         if isinstance(cmd, Fail) and serve.replanning and serve.phase == "profiling":
             # devices joining failed to profile: the job goes on without them, for good
             refused = sorted(wait.want - set(serve.profiles))
+            prior = serve.recovery  # not a loss: the recovery timed stays the earlier one
             serve = replace(serve, gone={**serve.gone, **{d: math.inf for d in refused}})
-            return _lost(replace(serve, wait=None), refused, cmd.reason, now, out)
+            serve, more = _lost(replace(serve, wait=None), refused, cmd.reason, now, out)
+            return (serve if serve.ended else replace(serve, recovery=prior)), more
         if isinstance(cmd, Fail):
             return step_failed(replace(serve, wait=None), cmd.reason, out)
         out.append(cmd)
@@ -398,10 +402,7 @@ def _lost(serve: Serve, gone: list[DeviceId], reason: str, now: float, out: list
 
 def _rejoin(serve: Serve, back: list[DeviceId], now: float) -> Out:
     """Take `back` into the job: profile those never profiled, then re-plan and reload."""
-    returning = [d for d in back if d in serve.gone]
-    newcomers = len(back) - len(returning)
-    gone = {d: at for d, at in serve.gone.items() if d not in returning}
-    gone = dict(sorted(gone.items(), key=lambda kv: kv[1])[newcomers:])
+    gone = {d: at for d, at in serve.gone.items() if d not in back}
     devices = tuple(sorted({*serve.devices, *back}))
     serve = replace(serve, devices=devices, gone=gone, epoch=serve.epoch + 1, replanning=True)
     out: list[Command] = [

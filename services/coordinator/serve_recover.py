@@ -103,8 +103,8 @@ def joiners(serve: Serve, now: float) -> list[DeviceId]:
     """Devices that may join the job now: lost ones heard from again since their loss.
 
     A job started on every connected worker (no devices named) also takes a
-    worker it never had, but only in place of one it lost: the job does not
-    grow past its size at the start. Heard from means a heartbeat within the
+    worker it never had, but only in place of one it lost: new workers do not
+    grow it past its size at the start. Heard from means a heartbeat within the
     heartbeat deadline, with no probe open on it.
     """
     if not serve.gone:
@@ -122,7 +122,7 @@ def joiners(serve: Serve, now: float) -> list[DeviceId]:
     back = [d for d, at in sorted(serve.gone.items()) if fresh(d, at)]
     if serve.spec.devices:
         return [d for d in back if d in serve.spec.devices]
-    room = len(serve.gone) - len(back)
+    room = serve.size - len(serve.devices) - len(back)
     others = [
         d
         for d in sorted(serve.members)

@@ -161,6 +161,8 @@ class Serve:
     gone: Mapping[DeviceId, float] = field(default_factory=dict)
     """Devices lost, and when: one heard from after that may join again."""
     replanning: bool = False
+    size: int = 0
+    """Devices the job started with: workers it never had may fill places lost up to this."""
     """The shards being loaded take in devices that joined (not a loss)."""
     wait: Wait | None = None
     """The wait for the current step's replies (profiles, shards, a request's answer)."""

@@ -194,6 +194,13 @@ def test_a_joining_worker_that_fails_to_profile_is_left_out_and_the_job_goes_on(
     s.loaded(s.serve.devices, epoch=EPOCH + 3)
     assert s.serve.phase == "serving"
     assert sent(ProfileBlocks, s.tick(at=8.0)) == []  # not asked again
+    assert s.serve.recovery is None  # a refused join is not a loss to time
+    s.beat([DeviceId("e")], at=8.5)  # another worker takes the lost one's place
+    assert [d for d, _ in sent(ProfileBlocks, s.tick(at=8.5))] == ["e"]
+    s.profiled([DeviceId("e")], epoch=EPOCH + 4)
+    s.loaded(s.serve.devices, epoch=EPOCH + 4)
+    s.beat([DeviceId("f")], at=9.0)  # the job is back to its size: no more joins
+    assert sent(ProfileBlocks, s.tick(at=9.0)) == []
 
 
 def test_a_device_the_membership_forgets_is_planned_around_like_a_lost_one():

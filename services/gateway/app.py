@@ -305,13 +305,21 @@ def create_app(streamer: Streamer, resolver: Resolver, limits: Limits) -> Starle
     async def completions(request: Request) -> Response:
         return await generate(request, CompletionRequest)
 
+    def card(served: ServedModel) -> dict[str, Any]:
+        return {"id": served.name, "object": "model", "created": 0, "owned_by": "asteroid-edge"}
+
     async def models(request: Request) -> Response:
         try:
             served = await resolver.get()
         except GatewayError:
             return JSONResponse({"object": "list", "data": []})
-        card = {"id": served.name, "object": "model", "created": 0, "owned_by": "asteroid-edge"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [card(served)]})
+
+    async def model(request: Request) -> Response:
+        served = await resolver.get()
+        if not served.answers_to(str(request.path_params["model"])):
+            raise GatewayError(404, "no such model here", param="model", code="model_not_found")
+        return JSONResponse(card(served))
 
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok", "in_flight": streamer.gate.held})
@@ -319,6 +327,7 @@ def create_app(streamer: Streamer, resolver: Resolver, limits: Limits) -> Starle
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
     ]

@@ -151,12 +151,15 @@ def test_models_health_and_the_api_key(served):
     async def go() -> None:
         async with client(app) as http:
             models = await http.get("/v1/models")
+            one = await http.get("/v1/models/tiny")
+            other = await http.get("/v1/models/gpt-4")
             health = await http.get("/health", headers={"Authorization": ""})
             none = await http.get("/v1/models", headers={"Authorization": ""})
             wrong = await http.post(
                 "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer nope"}
             )
         assert models.json()["data"][0]["id"] == "tiny"
+        assert one.json()["id"] == "tiny" and other.status_code == 404
         assert health.json()["status"] == "ok"
         for got in (none, wrong):
             assert got.status_code == 401

@@ -1,13 +1,15 @@
 """The ring step micro-benchmark over a shaped veth link between two network namespaces (root).
 
     python -m tests.bench.bench_ring_step_veth [--mbit 125,1000] [--rows 1,142,284]
-        [--hidden 768] [--steps 100]
+        [--hidden 768] [--steps 100] [--cpu 1.0]
 
 Two namespaces joined by a veth pair shaped as the testbed shapes a device's
 link (`services.testbed.net.shaping_commands`, both ends), one process in each.
 Per rate and tile size: a raw ZeroMQ DEALER/ROUTER echo of the same bytes and
 the ring step serving runs (`ZmqRing` -> `Dispatcher` -> `Receiver` ->
-`TileInbox`), each half a round trip, median after a warm-up.
+`TileInbox`), each half a round trip, median after a warm-up. With `--cpu` below 1 each
+process runs in a cgroup with that CPU quota, as the testbed's devices do
+(`services.testbed.cgroups`: a 10 ms CFS period).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from common.codec import Limits
 from common.ids import DeviceId
 from common.serving_messages import HmpTile
 from services.testbed import net
+from services.testbed.cgroups import DeviceCgroup
 from services.worker.pool import TaskPool
 from services.worker.tiles import Expecting, TileInbox, ZmqRing
 from services.worker.transport import Dispatcher, Receiver
@@ -129,17 +132,29 @@ def _raw(me: int, rows: int, hidden: int, steps: int) -> list[float]:
     return times[WARMUP:]
 
 
-def _pair(kind: str, rows: int, hidden: int, steps: int) -> float:
+def _pair(kind: str, rows: int, hidden: int, steps: int, cpu: float) -> float:
     """Run one measurement: device b's process, then device a's; a's median step."""
     procs = []
+    groups = [DeviceCgroup("rsb", f"dev{me}") for me in (0, 1)]
+    if cpu < 1.0:
+        for g in groups:
+            g.create(cpu, 4 << 30)
     for me in (1, 0):
         cmd = ["ip", "netns", "exec", NS[me], sys.executable, "-m", MODULE]
         cmd += ["--role", f"{kind}-{me}", "--rows", str(rows), "--hidden", str(hidden)]
         cmd += ["--steps", str(steps)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=os.getcwd()))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+        if cpu < 1.0:
+            groups[me].attach(proc.pid)
+        procs.append(proc)
         time.sleep(1.0 if me == 1 else 0.0)
-    out, _ = procs[1].communicate(timeout=300)
-    procs[0].wait(timeout=60)
+    try:
+        out, _ = procs[1].communicate(timeout=300)
+        procs[0].wait(timeout=60)
+    finally:
+        if cpu < 1.0:
+            for g in groups:
+                g.remove()
     return float(statistics.median(json.loads(out.strip().splitlines()[-1])))
 
 
@@ -149,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,142,284")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--cpu", type=float, default=1.0, help="cores per process (quota)")
     parser.add_argument("--role", default="")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -168,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         for mbit in (float(m) for m in args.mbit.split(",")):
             _up(mbit)
             for rows in (int(r) for r in args.rows.split(",")):
-                raw = _pair("raw", rows, args.hidden, args.steps)
-                ring = _pair("ring", rows, args.hidden, args.steps)
+                raw = _pair("raw", rows, args.hidden, args.steps, args.cpu)
+                ring = _pair("ring", rows, args.hidden, args.steps, args.cpu)
                 nbytes = rows * args.hidden * 4
                 wire = nbytes * 8 / (mbit * 1e6)
                 results.append(

@@ -125,6 +125,7 @@ def _prepare(served: ServedModel, body: ChatRequest | CompletionRequest, limits:
             404, f"the model {body.model!r} is not served here; this gateway serves "
             f"{served.name!r}", param="model", code="model_not_found",
         )  # fmt: skip
+    where = "messages" if isinstance(body, ChatRequest) else "prompt"
     try:
         if isinstance(body, ChatRequest):
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -134,7 +135,7 @@ def _prepare(served: ServedModel, body: ChatRequest | CompletionRequest, limits:
             ids = served.text.encode(prompt) if isinstance(prompt, str) else prompt
             wanted = body.max_tokens
     except ConfigError as exc:
-        raise _bad(str(exc), "messages" if isinstance(body, ChatRequest) else "prompt") from None
+        raise _bad(str(exc), where) from None
     if not ids:
         raise _bad("the prompt is empty", "prompt")
     if any(not 0 <= i < served.vocab_size for i in ids):
@@ -143,7 +144,7 @@ def _prepare(served: ServedModel, body: ChatRequest | CompletionRequest, limits:
     if room < 1:
         raise _bad(
             f"the prompt is {len(ids)} tokens; the model takes {served.max_positions} positions "
-            "and must generate at least one", "messages",
+            "and must generate at least one", where,
         )  # fmt: skip
     if wanted is not None and wanted > room:
         raise _bad(

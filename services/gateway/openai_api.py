@@ -122,7 +122,7 @@ class ChatRequest(_Generation):
 class CompletionRequest(_Generation):
     """A ``/v1/completions`` body: a prompt as text or as token ids (one prompt)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(max_length=MAX_PROMPT_TOKENS)
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS)
     echo: bool = False
     suffix: str | None = None
@@ -135,6 +135,10 @@ class CompletionRequest(_Generation):
         listed = isinstance(self.prompt, list) and self.prompt
         if listed and isinstance(self.prompt[0], str | list) and len(self.prompt) != 1:
             raise ValueError("one prompt per request")
+        one = self.text_or_ids()
+        limit = MAX_TEXT_CHARS if isinstance(one, str) else MAX_PROMPT_TOKENS
+        if len(one) > limit:
+            raise ValueError(f"a prompt of {len(one)} is over the {limit} taken")
         return self
 
     def text_or_ids(self) -> str | list[int]:

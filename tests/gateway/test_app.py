@@ -182,6 +182,8 @@ BAD = [
     ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, None),
     ({"model": "tiny", "prompt": [1, 100000]}, "prompt"),
     ({"model": "tiny", "prompt": ["one", "two"]}, None),
+    ({"model": "tiny", "prompt": list(range(9000))}, None),
+    ({"model": "tiny", "prompt": "fox " * 3000}, "prompt"),  # past the positions, not the chars
     ({"model": "tiny"}, "prompt"),
 ]
 

@@ -280,8 +280,11 @@ def test_past_the_queue_bound_requests_are_refused_at_once_and_the_rest_complete
         async with client(app) as http:
             admitted = [asyncio.create_task(http.post("/v1/chat/completions", json=CHAT))
                         for _ in range(2)]  # fmt: skip
-            while streamer.gate.held < 2:
+            for _ in range(3000):  # both admitted within 30 s
+                if streamer.gate.held == 2:
+                    break
                 await asyncio.sleep(0.01)
+            assert streamer.gate.held == 2
             flood = await asyncio.gather(
                 *(http.post("/v1/chat/completions", json=CHAT) for _ in range(18))
             )

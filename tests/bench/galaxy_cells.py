@@ -20,7 +20,7 @@ from common.galaxy.config import TransformerConfig
 from common.galaxy.plan import InferencePlan
 from common.galaxy.profile import BlockProfile
 from common.serving_messages import TransformerShape
-from services.coordinator.galaxy.choose import STEP_LATENCY_S
+from services.coordinator.galaxy.choose import STEP_LATENCY_S, Link, choose
 from services.coordinator.galaxy.cost import predict
 from services.coordinator.galaxy.planner import (
     fits,
@@ -50,6 +50,7 @@ __all__ = [
     "request_ids",
     "ring_steps",
     "shape",
+    "split_pays_from",
 ]
 
 SEQ_LEN = 284
@@ -284,6 +285,37 @@ def repredict(cell: Cell, step_latency_s: float, scale: float = 1.0) -> None:
     steps, compute, ring = priced
     cell.step_latency_s, cell.compute_scale = step_latency_s, scale
     cell.predicted_dev_s = scale * compute + ring + steps * step_latency_s
+
+
+CROSSOVER_LINKS = (50.0, 125.0, 250.0, 500.0, 1000.0, 2500.0, 10000.0)
+"""Link rates (Mbit/s) at which `split_pays_from` asks the chooser."""
+
+
+def split_pays_from(cell: Cell) -> tuple[float, str, float] | None:
+    """The slowest link at which the chooser splits `cell`'s model over its testbed.
+
+    The chooser (`services.coordinator.galaxy.choose`) on the profiles the
+    devices sent for `cell`, their compute corrected by `cell.compute_scale`,
+    with the testbed's fitted step latency, memory aside; (link Mbit/s, the plan
+    chosen there, its predicted speedup over the best single device), or None
+    when one device stays fastest up to `CROSSOVER_LINKS[-1]`.
+    """
+    if not cell.dev_profiles or cell.step_latency_s is None:
+        return None
+    profiles = {}
+    for d, raw in cell.dev_profiles.items():
+        p = BlockProfile.model_validate(raw)
+        profiles[d] = scaled(p, cell.compute_scale).model_copy(update={"step_s": p.step_s})
+    config = shape(cell.model, cell.layers).config()
+    roomy = dict.fromkeys(profiles, 1 << 40)
+    for mbit in CROSSOVER_LINKS:
+        link = Link(mbit * 1e6, cell.step_latency_s)
+        got = choose(config, list(profiles), profiles, roomy, SEQ_LEN, link)
+        if len(got.plan.devices) > 1:
+            alone = min(s for p, s in got.candidates if len(p.devices) == 1)
+            text = f"{got.plan.mode} on {'+'.join(got.plan.devices)}"
+            return mbit, text, alone / got.predicted_s
+    return None
 
 
 def planning_time_s(

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.bench.galaxy_cells import MODES, Cell
+from tests.bench.galaxy_cells import CROSSOVER_LINKS, MODES, Cell, split_pays_from
 
 __all__ = ["ms", "plan_text", "ratio", "speedup", "tables", "write_charts"]
 
@@ -151,6 +151,27 @@ def _steps(cells: Sequence[Cell]) -> list[str]:
     return lines
 
 
+def _crossover(cells: Sequence[Cell]) -> list[str]:
+    head = (
+        "| env | model (layers) | split predicted to pay from, Mbit/s | plan there |"
+        " predicted speedup over one device there |"
+    )
+    lines = [head, "|---|---|---|---|---|"]
+    for c in cells:
+        if c.mode != "auto" or c.part != "grid":
+            continue
+        got = split_pays_from(c)
+        if got is None:
+            if c.dev_profiles and c.step_latency_s is not None:
+                lines.append(
+                    f"| {c.env} | {c.model} ({c.layers}) | not up to {CROSSOVER_LINKS[-1]:g} | | |"
+                )
+            continue
+        mbit, text, gain = got
+        lines.append(f"| {c.env} | {c.model} ({c.layers}) | {mbit:g} | {text} | {gain:.2f}x |")
+    return lines
+
+
 def _planning(planning: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| devices | model | plan_galaxy median ms |", "|---|---|---|"]
     lines += [
@@ -179,6 +200,7 @@ def tables(cells: Sequence[Cell], planning: Sequence[dict[str, Any]]) -> list[st
         ("The planner's choice (auto) against every mode", _choice(cells)),
         ("Predicted / measured, from the devices' own profiles", _accuracy(cells)),
         ("Ring step cost each device measured when profiling", _steps(cells)),
+        ("Where a split starts to pay, by the cost model (memory aside)", _crossover(cells)),
         ("Tile overlap on vs off (galaxy)", _overlap([c for c in cells if c.part != "memory"])),
         (
             "Memory: plans that do not fit the budgets",

@@ -33,6 +33,7 @@ from tests.bench.galaxy_cells import (
     request_ids,
     ring_steps,
     shape,
+    split_pays_from,
 )
 from tests.bench.galaxy_report import ms, speedup, tables, write_charts
 
@@ -217,6 +218,22 @@ def test_the_step_latency_fitted_to_a_measured_split_predicts_it_back() -> None:
         fitted_step_latency(cell, 0.5)
     )
     assert fitted_step_latency(cell, 0.5) > 0.004  # less compute: more left for the steps
+
+
+def test_the_split_pays_from_a_faster_link_the_larger_the_fixed_step_cost() -> None:
+    profiles = device_profiles(_profile("host", 0.01, 4e-5, 1e-5), {"a": 0.5, "b": 0.5})
+    cell = Cell("grid", "galaxy-a", "bert_small", 4, "auto", 125, "ok", [1.0], 1.0)
+    cell.dev_profiles = {d: p.model_dump(mode="json") for d, p in profiles.items()}
+    cell.step_latency_s = 0.0
+    cheap = split_pays_from(cell)
+    assert cheap is not None and cheap[2] > 1.1 and "+" in cheap[1]
+    cell.step_latency_s = 0.01
+    dear = split_pays_from(cell)
+    assert dear is None or dear[0] > cheap[0] or dear[2] < cheap[2]
+    cell.step_latency_s = 10.0
+    assert split_pays_from(cell) is None
+    text = "\n".join(tables([cell], []))
+    assert "| galaxy-a | bert_small (4) | not up to 10000 | | |" in text
 
 
 def test_replot_rebuilds_the_report_from_results_json(tmp_path: Path) -> None:

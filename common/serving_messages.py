@@ -37,6 +37,7 @@ __all__ = [
     "InferenceProgress",
     "LoadShard",
     "ProfileBlocks",
+    "Refusal",
     "RunInference",
     "Sampling",
     "ServeModel",
@@ -237,6 +238,12 @@ class InferRequest(Sampling):
 # --- coordinator -> operator -------------------------------------------------
 
 
+Refusal = Literal["no_job", "busy", "late", "invalid", "ended", "failed"]
+"""Why a request got no answer: no such serving job runs; its requester already has as
+many waiting as it may (try again later); it waited past its `wait_s`; the model cannot
+take it; the serving job ended before it ran; or it ran and the serving step failed."""
+
+
 class InferReply(WireModel):
     """The answer to an InferRequest: generated tokens, the output row, and timings."""
 
@@ -256,6 +263,9 @@ class InferReply(WireModel):
     queued_s: float = 0.0
     finish_reason: Literal["stop", "length"] = Field(
         "length", description="`stop`: a stop token came (left out); `length`: new_tokens spent."
+    )
+    refusal: Refusal | None = Field(
+        None, description="Why a request was not answered (ok false), for programs: see Refusal."
     )
 
 

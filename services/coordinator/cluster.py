@@ -18,7 +18,7 @@ from dataclasses import replace
 from common.ids import DeviceId
 from common.lifecycle import ACTIVE
 from common.messages import JobReply
-from common.serving_messages import InferReply
+from common.serving_messages import InferReply, Refusal
 from services.coordinator.checked import CheckedJob, id_taken
 from services.coordinator.cluster_state import (
     CancelIn,
@@ -256,6 +256,7 @@ def _infer(state: ClusterState, event: InferIn, now: float) -> Out:
     """Queue a request for the running serving job; refuse it at once if it cannot wait."""
     msg = event.msg
     req = PendingRequest(event.peer, msg, now)
+    refusal: Refusal = "no_job"
     if state.running != msg.serve_id:
         error = f"no serving job {msg.serve_id} is running here (running: {state.running})"
     else:
@@ -263,6 +264,6 @@ def _infer(state: ClusterState, event: InferIn, now: float) -> Out:
         why = queue.offer(req.owner, req)
         if why is None:
             return replace(state, infer_queue=queue), []
-        error = f"{why} (serving job {msg.serve_id})"
-    refusal = InferReply(serve_id=msg.serve_id, request=0, ok=False, error=error)
-    return state, [Reply(event.peer, refusal)]
+        error, refusal = f"{why} (serving job {msg.serve_id})", "busy"
+    reply = InferReply(serve_id=msg.serve_id, request=0, ok=False, error=error, refusal=refusal)
+    return state, [Reply(event.peer, reply)]

@@ -21,6 +21,7 @@ from common.serving_messages import (
     InferenceDone,
     InferenceProgress,
     InferReply,
+    Refusal,
     RunInference,
 )
 from services.coordinator.core import Log
@@ -57,7 +58,7 @@ def step_failed(serve: Serve, reason: str, out: list[Command]) -> Out:
     """A step's replies did not come: the request running is told why, and the job fails."""
     running = serve.running
     if running is not None:
-        out = [*out, _refuse(serve, running.req, running.number, reason)]
+        out = [*out, _refuse(serve, running.req, running.number, reason, "failed")]
     return fail(serve, reason, out)
 
 
@@ -68,13 +69,7 @@ def on_waiting(serve: Serve, queued: tuple[PendingRequest, ...], now: float) -> 
     late = [r for r in queued if r.expired(now)]
     keep = tuple(r for r in queued if not r.expired(now))
     out: list[Command] = [Drop(tuple(late))] if late else []
-    for req in late:
-        why = (
-            f"waited {now - req.arrived:.0f} s for its turn (its wait_s); requests of "
-            f"{len(keep)} others are served in turn: the serving job "
-            f"{serve.spec.serve_id} is busy, not gone; try again later"
-        )
-        out.append(_refuse(serve, req, 0, why))
+    out += [_refuse(serve, req, 0, _late(serve, req, len(keep), now), "late") for req in late]
     serve, more = next_request(replace(serve, waiting=keep))
     return serve, [*out, *more]
 
@@ -100,17 +95,13 @@ def on_taken(serve: Serve, req: PendingRequest | None, now: float) -> Out:
     if serve.ended:
         return serve, _refuse_all(serve, (req,), drop=False)
     if req.expired(now):
-        why = (
-            f"waited {now - req.arrived:.0f} s for its turn (its wait_s); requests of "
-            f"{len(serve.waiting)} others are served in turn: the serving job "
-            f"{serve.spec.serve_id} is busy, not gone; try again later"
-        )
+        why = _late(serve, req, len(serve.waiting), now)
         serve, more = next_request(serve)
-        return serve, [_refuse(serve, req, 0, why), *more]
+        return serve, [_refuse(serve, req, 0, why, "late"), *more]
     why_not = None if serve.config is None else refusal(serve.config, req.msg)
     if why_not is not None:
         serve, more = next_request(serve)
-        return serve, [_refuse(serve, req, 0, why_not), *more]
+        return serve, [_refuse(serve, req, 0, why_not, "invalid"), *more]
     return run_request(serve, req, now)
 
 
@@ -246,9 +237,20 @@ def on_progress(serve: Serve, peer: DeviceId, msg: InferenceProgress) -> Out:
     return serve, [Answer(running.req.peer, chunk)]
 
 
-def _refuse(serve: Serve, req: PendingRequest, request: int, error: str) -> Answer:
-    """Answer `req` with `error` instead of an output."""
-    reply = InferReply(serve_id=serve.spec.serve_id, request=request, ok=False, error=error)
+def _late(serve: Serve, req: PendingRequest, others: int, now: float) -> str:
+    """Why `req`, past its `wait_s`, is not run: the job is busy, not gone."""
+    return (
+        f"waited {now - req.arrived:.0f} s for its turn (its wait_s); requests of "
+        f"{others} others are served in turn: the serving job "
+        f"{serve.spec.serve_id} is busy, not gone; try again later"
+    )
+
+
+def _refuse(serve: Serve, req: PendingRequest, request: int, error: str, why: Refusal) -> Answer:
+    """Answer `req` with `error` instead of an output; `why` says so to programs."""
+    reply = InferReply(
+        serve_id=serve.spec.serve_id, request=request, ok=False, error=error, refusal=why
+    )
     return Answer(req.peer, reply)
 
 
@@ -301,4 +303,4 @@ def _refuse_all(
     else:
         why = f"serving job {serve.spec.serve_id} ended: cancelled ({serve.outcome})"
     out: list[Command] = [Drop(tuple(requests))] if drop else []
-    return [*out, *(_refuse(serve, r, 0, why) for r in requests)]
+    return [*out, *(_refuse(serve, r, 0, why, "ended") for r in requests)]

@@ -46,22 +46,26 @@ class GatewayError(Exception):
 
 
 def refusal_error(reply: InferReply) -> GatewayError:
-    """The HTTP error for the coordinator's refusal `reply` (ok false).
+    """The HTTP error for the coordinator's refusal `reply` (ok false), by its `refusal`.
 
-    The coordinator refuses in words, with request 0 when the request never
-    ran: no serving job (503), its queue full (429), the wait over (504), or the
-    model cannot take it (400); a request that ran and failed is a 502.
+    No serving job, or it ended before the request ran: 503; the requester's queue
+    full: 429; the wait over: 504; the model cannot take it: 400; it ran and failed
+    (or the coordinator gave no reason): 502.
     """
     error = reply.error or "the coordinator refused the request"
-    if "no serving job" in error:
-        return GatewayError(503, error, "service_unavailable_error", code="no_serving_job")
-    if "try again later" in error:
-        return GatewayError(429, error, "rate_limit_error", code="coordinator_queue_full")
-    if "waited" in error:
-        return GatewayError(504, error, "timeout_error", code="timeout")
-    if reply.request == 0:
-        return GatewayError(400, error)
-    return GatewayError(502, error, "server_error", code="serving_failed")
+    status, kind, code = _REFUSALS.get(reply.refusal or "failed", _REFUSALS["failed"])
+    return GatewayError(status, error, kind, code=code)
+
+
+_REFUSALS: dict[str, tuple[int, str, str | None]] = {
+    "no_job": (503, "service_unavailable_error", "no_serving_job"),
+    "ended": (503, "service_unavailable_error", "serving_job_ended"),
+    "busy": (429, "rate_limit_error", "coordinator_queue_full"),
+    "late": (504, "timeout_error", "timeout"),
+    "invalid": (400, "invalid_request_error", None),
+    "failed": (502, "server_error", "serving_failed"),
+}
+"""HTTP status, OpenAI error type and code of each `InferReply.refusal`."""
 
 
 class Gate:

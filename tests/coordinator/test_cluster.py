@@ -293,6 +293,7 @@ def test_an_infer_for_a_serving_job_not_running_is_refused() -> None:
     (reply,) = replies(out)
     assert isinstance(reply, InferReply) and not reply.ok
     assert reply.error == "no serving job gpt is running here (running: other)"
+    assert reply.refusal == "no_job"
     assert len(state.infer_queue) == 0
 
 
@@ -306,6 +307,7 @@ def test_infer_requests_wait_in_the_fair_queue_up_to_its_bound() -> None:
     state, out = apply(state, InferIn(PEER, msg), 20.0)
     (reply,) = replies(out)
     assert not reply.ok and "16 requests of alice already wait" in reply.error
+    assert reply.refusal == "busy"
     assert len(state.infer_queue) == 16
     taken = state.infer_queue.take()
     assert taken is not None and taken.arrived == 0.0

@@ -267,6 +267,7 @@ def test_a_request_past_its_wait_s_is_refused_saying_so_while_another_runs():
     assert len(drops) == 1 and [r.peer for r in drops[0].requests] == ["impatient"]
     (peer, reply), *rest = answers(out)
     assert rest == [] and peer == "impatient" and not reply.ok and reply.request == 0
+    assert reply.refusal == "late"
     assert reply.error == (
         "waited 1 s for its turn (its wait_s); requests of 1 others are served in turn: "
         "the serving job gpt is busy, not gone; try again later"

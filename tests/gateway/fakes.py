@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from common.serving_messages import InferChunk, InferReply, InferRequest
+from common.serving_messages import InferChunk, InferReply, InferRequest, Refusal
 from services.gateway.app import Limits, create_app
 from services.gateway.backend import Gate, Streamer
 from services.gateway.served import Resolver, ServedModel
@@ -31,6 +31,7 @@ class FakeCoordinator:
         self.tokens = served.text.encode(answer, special=False)
         self.refuse: str | None = None
         self.refuse_request = 0
+        self.refusal: Refusal | None = None
         self.raise_error: Exception | None = None
         self.hold: threading.Event | None = None
         self.seen: list[InferRequest] = []
@@ -46,7 +47,11 @@ class FakeCoordinator:
             raise self.raise_error
         if self.refuse is not None:
             yield InferReply(
-                serve_id=request.serve_id, request=self.refuse_request, ok=False, error=self.refuse
+                serve_id=request.serve_id,
+                request=self.refuse_request,
+                ok=False,
+                error=self.refuse,
+                refusal=self.refusal,
             )
             return
         tokens = self.tokens[: request.new_tokens]

@@ -227,19 +227,21 @@ def test_unknown_model_oversized_and_malformed_bodies(served):
 
 
 @pytest.mark.parametrize(
-    ("error", "request_no", "status"),
+    ("error", "refusal", "status"),
     [
-        ("no serving job chat-1 is running here (running: None)", 0, 503),
-        ("16 requests of gw already wait; try again later (serving job chat-1)", 0, 429),
-        ("waited 240.0 s for its turn", 0, 504),
-        ("token ids must be in [0, 300)", 0, 400),
-        ("device b was lost", 3, 502),
+        ("no serving job chat-1 is running here (running: None)", "no_job", 503),
+        ("serving job chat-1 ended: cancelled (by alice)", "ended", 503),
+        ("16 requests of gw already wait; try again later (serving job chat-1)", "busy", 429),
+        ("waited 240.0 s for its turn", "late", 504),
+        ("token ids must be in [0, 300)", "invalid", 400),
+        ("device b was lost", "failed", 502),
+        ("an older coordinator gives no reason", None, 502),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
-def test_coordinator_refusals_become_http_errors(served, error, request_no, status, stream):
+def test_coordinator_refusals_become_http_errors(served, error, refusal, status, stream):
     fake = FakeCoordinator(served)
-    fake.refuse, fake.refuse_request = error, request_no
+    fake.refuse, fake.refusal = error, refusal
     app, _ = make_app(served, fake)
 
     async def go() -> None:

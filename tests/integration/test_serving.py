@@ -284,8 +284,9 @@ def test_a_greedy_requester_neither_starves_another_nor_waits_past_its_wait(serv
     sender.join(150)
     assert polite.ok, polite.error
     refused = [r for r in greedy if not r.ok]
-    # 16 wait (one of them may already run when the last arrive), the others are refused
-    assert len(greedy) == 30 and len(refused) in (13, 14), [r.error for r in refused]
+    # 16 wait and the others are refused; how many ran before the last arrived depends on
+    # the machine's load, so each of those freed a place: at least 16 are answered
+    assert len(greedy) == 30 and 1 <= len(refused) <= 14, [r.error for r in refused]
     assert all("16 requests of greedy already wait" in r.error for r in refused)
     overtaken = [r.request for r in greedy if r.ok and r.request > polite.request]
     assert len(overtaken) >= 8, (polite.request, overtaken)  # not behind all that waited

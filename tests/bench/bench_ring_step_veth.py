@@ -9,7 +9,9 @@ Per rate and tile size: a raw ZeroMQ DEALER/ROUTER echo of the same bytes and
 the ring step serving runs (`ZmqRing` -> `Dispatcher` -> `Receiver` ->
 `TileInbox`), each half a round trip, median after a warm-up. With `--cpu` below 1 each
 process runs in a cgroup with that CPU quota, as the testbed's devices do
-(`services.testbed.cgroups`: a 10 ms CFS period).
+(`services.testbed.cgroups`: a 10 ms CFS period); with `--busy-ms` device a
+computes that much CPU time before each ring step (not counted), as a device
+does between the steps of a layer, so its quota is spent when the step starts.
 """
 
 from __future__ import annotations
@@ -71,7 +73,15 @@ def _down() -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
-def _ring(me: int, rows: int, hidden: int, steps: int) -> list[float]:
+def _busy(seconds: float) -> None:
+    """Compute for `seconds` of this process's CPU time, as a device between ring steps."""
+    a = torch.randn(64, 64)
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        a = torch.tanh(a @ a)
+
+
+def _ring(me: int, rows: int, hidden: int, steps: int, busy_s: float = 0.0) -> list[float]:
     ctx: zmq.Context[Any] = zmq.Context()
     inbox = TileInbox(1 << 30)
     recv = Receiver(ctx, f"tcp://{ADDR[me]}:{RING_PORT}", Limits(), TaskPool(), tiles=inbox)
@@ -86,6 +96,8 @@ def _ring(me: int, rows: int, hidden: int, steps: int) -> list[float]:
         inbox.start(request)
         msg = HmpTile(serve_id="bench", epoch=0, round=request, tag="t")
         ring = ZmqRing(list(NAMES), NAMES[me], msg, disp, inbox, lambda: None)
+        if me == 0 and busy_s:
+            _busy(busy_s)  # device a computes, then the step starts
         t0 = time.perf_counter()
         if me == 0:
             ring.send("t/0", x)
@@ -132,7 +144,7 @@ def _raw(me: int, rows: int, hidden: int, steps: int) -> list[float]:
     return times[WARMUP:]
 
 
-def _pair(kind: str, rows: int, hidden: int, steps: int, cpu: float) -> float:
+def _pair(kind: str, rows: int, hidden: int, steps: int, cpu: float, busy_s: float) -> float:
     """Run one measurement: device b's process, then device a's; a's median step."""
     procs = []
     groups = [DeviceCgroup("rsb", f"dev{me}") for me in (0, 1)]
@@ -142,7 +154,7 @@ def _pair(kind: str, rows: int, hidden: int, steps: int, cpu: float) -> float:
     for me in (1, 0):
         cmd = ["ip", "netns", "exec", NS[me], sys.executable, "-m", MODULE]
         cmd += ["--role", f"{kind}-{me}", "--rows", str(rows), "--hidden", str(hidden)]
-        cmd += ["--steps", str(steps)]
+        cmd += ["--steps", str(steps), "--busy-ms", str(busy_s * 1000)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
         if cpu < 1.0:
             groups[me].attach(proc.pid)
@@ -165,14 +177,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--cpu", type=float, default=1.0, help="cores per process (quota)")
+    parser.add_argument(
+        "--busy-ms", type=float, default=0.0, help="CPU ms device a computes before each step"
+    )
     parser.add_argument("--role", default="")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.role:
         kind, me = args.role.split("-")
-        fn = _ring if kind == "ring" else _raw
-        print(json.dumps(fn(int(me), int(args.rows), args.hidden, args.steps)), flush=True)
+        if kind == "ring":
+            got = _ring(int(me), int(args.rows), args.hidden, args.steps, args.busy_ms / 1000)
+        else:
+            got = _raw(int(me), int(args.rows), args.hidden, args.steps)
+        print(json.dumps(got), flush=True)
         return 0
     if os.geteuid() != 0:
         print("needs root (network namespaces)", file=sys.stderr)
@@ -184,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         for mbit in (float(m) for m in args.mbit.split(",")):
             _up(mbit)
             for rows in (int(r) for r in args.rows.split(",")):
-                raw = _pair("raw", rows, args.hidden, args.steps, args.cpu)
-                ring = _pair("ring", rows, args.hidden, args.steps, args.cpu)
+                raw = _pair("raw", rows, args.hidden, args.steps, args.cpu, 0.0)
+                ring = _pair("ring", rows, args.hidden, args.steps, args.cpu, args.busy_ms / 1000)
                 nbytes = rows * args.hidden * 4
                 wire = nbytes * 8 / (mbit * 1e6)
                 results.append(

@@ -35,9 +35,10 @@ __all__ = ["DEFAULT_LINK_BPS", "STEP_LATENCY_S", "Choice", "Link", "choose", "ri
 
 DEFAULT_LINK_BPS = 1e9
 """Links assumed when the spec names none: the coordinator's default 125 MB/s."""
-STEP_LATENCY_S = 0.0005
-"""Fixed seconds per ring step when the spec names none: ring step less a raw ZeroMQ send
-of the same bytes, on loopback (tests/bench/bench_ring_step.py)."""
+STEP_LATENCY_S = 0.002
+"""Fixed seconds per ring step beyond the devices' own `step_s` when the spec names none:
+what the splits measured on the emulated testbed leave per step beyond the cost model
+without it (1.3-4.1 ms, `make bench-galaxy`)."""
 SPLIT_MARGIN = 0.1
 """A split must be predicted this much faster than the best single device to be chosen:
 the cost model is off by up to about 15 % on the testbed, so a split predicted only a

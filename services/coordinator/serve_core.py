@@ -191,15 +191,7 @@ def _prepare(serve: Serve, shape: TransformerShape, now: float, out: list[Comman
         require_capacity(config, budgets(serve, devices), spec.seq_len)
     except (AsteroidError, ValidationError) as exc:
         return fail(serve, str(exc), out)
-    msg = ProfileBlocks(
-        serve_id=spec.serve_id,
-        epoch=serve.epoch,
-        model=shape,
-        seq_len=spec.seq_len,
-        heads=profile_sizes(shape.heads),
-        cols=profile_sizes(shape.ffn),
-        rows=profile_sizes(spec.seq_len),
-    )
+    msg = _profile_request(serve, shape)
     serve = replace(serve, phase="profiling", shape=shape, config=config)
     serve = begin_step(serve, BlocksProfiled, devices, 0, now, serve.limits.load_timeout_s)
     return serve, [*out, Record("profiling"), *(Send(d, msg) for d in devices)]
@@ -415,8 +407,16 @@ def _rejoin(serve: Serve, back: list[DeviceId], now: float) -> Out:
     unprofiled = [d for d in back if d not in serve.profiles]
     if not unprofiled or serve.shape is None:
         return _load(replace(serve, phase="loading"), now, out)
-    spec, shape = serve.spec, serve.shape
-    msg = ProfileBlocks(
+    msg = _profile_request(serve, serve.shape)
+    serve = replace(serve, phase="profiling")
+    serve = begin_step(serve, BlocksProfiled, unprofiled, 0, now, serve.limits.load_timeout_s)
+    return serve, [*out, *(Send(d, msg) for d in unprofiled)]
+
+
+def _profile_request(serve: Serve, shape: TransformerShape) -> ProfileBlocks:
+    """Ask a device to time the blocks of `shape` at a few shares of heads, columns and rows."""
+    spec = serve.spec
+    return ProfileBlocks(
         serve_id=spec.serve_id,
         epoch=serve.epoch,
         model=shape,
@@ -425,6 +425,3 @@ def _rejoin(serve: Serve, back: list[DeviceId], now: float) -> Out:
         cols=profile_sizes(shape.ffn),
         rows=profile_sizes(spec.seq_len),
     )
-    serve = replace(serve, phase="profiling")
-    serve = begin_step(serve, BlocksProfiled, unprofiled, 0, now, serve.limits.load_timeout_s)
-    return serve, [*out, *(Send(d, msg) for d in unprofiled)]

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from common.errors import ConfigError
 from common.galaxy.config import TransformerConfig, layer_key
 from common.serving_messages import MAX_PROMPT_TOKENS, TransformerShape
+from services.lib.galaxy.llama import LLAMA_LAYER_NAMES
 from services.lib.galaxy.weights import expected_shapes
 
 __all__ = ["MODEL_TYPES", "Layout", "Part", "Recipe", "layout_of"]
@@ -259,17 +260,6 @@ def _bert(raw: Mapping[str, Any]) -> Layout:
 
 # --- Llama, Mistral, Qwen2 -----------------------------------------------------
 
-_LLAMA_PAIRS = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
-    "ln1": "input_layernorm",
-    "ln2": "post_attention_layernorm",
-}
 _LLAMA_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 _LLAMA_VOCAB = {"llama": 32000, "mistral": 32000, "qwen2": 151936}
 
@@ -344,7 +334,7 @@ def _llama(raw: Mapping[str, Any]) -> Layout:
         if "lm_head.weight" in shapes:
             out["lm_head.weight"] = (Part("lm_head.weight", shapes["lm_head.weight"]),)
         for i in range(config.layers):
-            for ours, theirs in _LLAMA_PAIRS.items():
+            for ours, theirs in LLAMA_LAYER_NAMES.items():
                 for part in ("weight", "bias"):
                     key = layer_key(i, f"{ours}.{part}")
                     if key in shapes:

@@ -18,7 +18,21 @@ from common.extras import require
 from common.galaxy.config import TransformerConfig, layer_key
 from services.lib.galaxy.shapes import expected_shapes, take
 
-__all__ = ["LLAMA_FAMILY", "from_llama", "llama_family_model"]
+LLAMA_LAYER_NAMES = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+    "ln1": "input_layernorm",
+    "ln2": "post_attention_layernorm",
+}
+"""Our name of each tensor of a Llama-family layer, and the modules' name (transformers' and
+a model folder's, under `model.layers.{i}.`)."""
+
+__all__ = ["LLAMA_FAMILY", "LLAMA_LAYER_NAMES", "from_llama", "llama_family_model"]
 
 LLAMA_FAMILY = ("Llama", "Mistral", "Qwen2")
 """transformers architectures whose tensors are named alike (`model.layers.{i}.self_attn...`)."""
@@ -146,20 +160,9 @@ def from_llama(model: nn.Module) -> tuple[TransformerConfig, dict[str, Tensor]]:
             raise ConfigError("tie_word_embeddings is set but lm_head differs from embed_tokens")
     elif not config.tied_head:  # the bare model has no head: logits through the embedding
         config = dataclasses.replace(config, tied_head=True)
-    pairs = {
-        "q": "self_attn.q_proj",
-        "k": "self_attn.k_proj",
-        "v": "self_attn.v_proj",
-        "o": "self_attn.o_proj",
-        "gate": "mlp.gate_proj",
-        "up": "mlp.up_proj",
-        "down": "mlp.down_proj",
-        "ln1": "input_layernorm",
-        "ln2": "post_attention_layernorm",
-    }
     shapes = expected_shapes(config)
     for i in range(config.layers):
-        for ours, theirs in pairs.items():
+        for ours, theirs in LLAMA_LAYER_NAMES.items():
             for part in ("weight", "bias"):
                 if layer_key(i, f"{ours}.{part}") in shapes:
                     key = f"{p}layers.{i}.{theirs}.{part}"

@@ -72,6 +72,7 @@ class Serving:
         self.cluster, self.coord = cluster, coord
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.serve_id: str | None = None
 
     def start(self, spec: ServeSpec) -> None:
         def serve() -> None:
@@ -82,6 +83,7 @@ class Serving:
 
         self.thread = threading.Thread(target=serve, name="coordinator", daemon=True)
         self.thread.start()
+        self.serve_id = spec.serve_id
         reply = ask_coordinator(self.cluster.addr, ServeModel(spec=spec), 30)
         assert reply.ok, reply.error
 
@@ -92,6 +94,17 @@ class Serving:
         self.thread.join(60)
         assert not self.thread.is_alive(), "the serving job did not end after its cancel"
         assert self.error is None, self.error
+
+    def settle(self, serve_id: str | None) -> None:
+        """After a failed test: cancel its job so that the next test finds the cluster idle."""
+        if self.thread is not None and self.thread.is_alive() and serve_id is not None:
+            ask_coordinator(self.cluster.addr, CancelJob(job_id=serve_id), 30)
+            self.thread.join(60)
+        if self.thread is not None and self.thread.is_alive():
+            # the loop stops at its next turn, before this thread uses its socket
+            self.coord.stop("test failed mid-serve")
+            self.thread.join(30)
+        self.thread, self.error, self.serve_id = None, None, None
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ The answers are compared with `transformers`' own forward of the same folder
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,15 +19,14 @@ import pytest
 import redis
 import torch
 
-from common.messages import CancelJob
-from common.serving_messages import ServeModel, ServeSpec
+from common.serving_messages import ServeSpec
 from common.settings import CoordinatorSettings
-from services.cli.client import ask_coordinator
 from services.cli.serve import infer_request
 from services.coordinator.service import Coordinator
 from services.lib.galaxy import pretrained
 from tests.cluster import LocalCluster
 from tests.galaxy import hf_folders
+from tests.integration.test_serving import Serving
 
 pytestmark = pytest.mark.integration
 transformers = pytest.importorskip("transformers")
@@ -49,48 +47,6 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "bert-cls": hf_folders.save(hf_folders.bert(classes=3), root / "bert-cls", shard_kb=8),
         "llama": hf_folders.save(hf_folders.llama(), root / "llama", shard_kb=8),
     }
-
-
-class Serving:
-    """A coordinator serving on a thread of this test, with workers as processes."""
-
-    def __init__(self, cluster: LocalCluster, coord: Coordinator) -> None:
-        self.cluster, self.coord = cluster, coord
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.serve_id: str | None = None
-
-    def start(self, spec: ServeSpec) -> None:
-        def serve() -> None:
-            try:
-                self.coord.serve(stop_after=spec.serve_id)
-            except BaseException as exc:  # reported by `stop`, never lost
-                self.error = exc
-
-        self.thread = threading.Thread(target=serve, name="coordinator", daemon=True)
-        self.thread.start()
-        self.serve_id = spec.serve_id
-        reply = ask_coordinator(self.cluster.addr, ServeModel(spec=spec), 30)
-        assert reply.ok, reply.error
-
-    def stop(self, serve_id: str) -> None:
-        reply = ask_coordinator(self.cluster.addr, CancelJob(job_id=serve_id), 30)
-        assert reply.ok, reply.error
-        assert self.thread is not None
-        self.thread.join(60)
-        assert not self.thread.is_alive(), "the serving job did not end after its cancel"
-        assert self.error is None, self.error
-
-    def settle(self, serve_id: str | None) -> None:
-        """After a failed test: cancel its job so that the next test finds the cluster idle."""
-        if self.thread is not None and self.thread.is_alive() and serve_id is not None:
-            ask_coordinator(self.cluster.addr, CancelJob(job_id=serve_id), 30)
-            self.thread.join(60)
-        if self.thread is not None and self.thread.is_alive():
-            # the loop stops at its next turn, before this thread uses its socket
-            self.coord.stop("test failed mid-serve")
-            self.thread.join(30)
-        self.thread, self.error, self.serve_id = None, None, None
 
 
 @pytest.fixture(scope="module")

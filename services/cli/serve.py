@@ -6,9 +6,10 @@ devices, plans the split and loads the shards, and the job serves until
 `asteroid cancel`. `infer` sends one request and prints the answer with its
 latency. Programs use `infer_request` directly: one request, one reply.
 
-A prompt given as text is encoded as its UTF-8 bytes (token id = byte value),
-a tokenizer that needs no download; such a model needs a vocabulary of at
-least 256. Generated ids below 256 are decoded the same way.
+A prompt given as text goes through the model folder's tokenizer with
+`--model-dir` (its EOS ids then end generation, and the answer is decoded with
+it); without one it is encoded as its UTF-8 bytes (token id = byte value), for
+models built from a shape, which then need a vocabulary of at least 256.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from services.cli.console import CliConsole, shown
 if TYPE_CHECKING:
     from common.curve import CurveKeys
     from common.serving_messages import InferChunk, InferReply, ServeSpec
+    from services.lib.text import TextModel
 
 __all__ = [
     "infer",
@@ -201,6 +203,15 @@ def serve(
     )
 
 
+def _text_of(folder: Path | None) -> TextModel | None:
+    """The tokenizer of the model folder `folder`, if one is named (ConfigError if unreadable)."""
+    if folder is None:
+        return None
+    from services.lib.text import load_text  # the tokenizers library: only when asked for
+
+    return load_text(folder)
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.replace(",", " ").split()]
@@ -212,7 +223,15 @@ def infer(
     serve_id: Annotated[str, typer.Argument(help="The serving job.")],
     ids: Annotated[str | None, typer.Option(help="Token ids, e.g. 5,17,3.")] = None,
     prompt: Annotated[
-        str | None, typer.Option(help="Text, sent as its UTF-8 bytes (ids 0-255).")
+        str | None,
+        typer.Option(help="Text: through --model-dir's tokenizer, else its UTF-8 bytes (0-255)."),
+    ] = None,
+    model_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="The served model's folder: its tokenizer.json turns --prompt into ids and "
+            "the answer back into text, and its EOS ids end generation."
+        ),
     ] = None,
     generate: Annotated[int, typer.Option(min=0, help="Tokens to generate (decoders).")] = 0,
     show_logits: Annotated[int, typer.Option(min=0, help="Print this many output values.")] = 5,
@@ -241,7 +260,12 @@ def infer(
 
     reply: InferReply | None = None
     try:
-        tokens = _parse_ids(ids) if ids is not None else list((prompt or "").encode())
+        text = _text_of(model_dir)
+        stops = _parse_ids(stop) if stop else list(text.eos_ids if text else ())
+        if ids is not None:
+            tokens = _parse_ids(ids)
+        else:
+            tokens = text.encode(prompt or "") if text else list((prompt or "").encode())
         answers = stream_request(
             _coordinator(coordinator),
             serve_id,
@@ -251,7 +275,7 @@ def infer(
             temperature=temperature,
             top_p=top_p,
             seed=seed,
-            stop=_parse_ids(stop) if stop else [],
+            stop=stops,
             stream=stream,
         )
         with closing(answers):
@@ -272,9 +296,11 @@ def infer(
     )
     if reply.tokens:
         console.print(f"generated ids: {reply.tokens} (ended by {reply.finish_reason})")
-        if prompt is not None and all(t < 256 for t in reply.tokens):
-            text = bytes(reply.tokens).decode(errors="replace")
-            console.print(f"generated text: {shown(repr(text))}")
+        if text is not None:
+            console.print(f"generated text: {shown(repr(text.decode(reply.tokens)))}")
+        elif prompt is not None and all(t < 256 for t in reply.tokens):
+            utf8 = bytes(reply.tokens).decode(errors="replace")
+            console.print(f"generated text: {shown(repr(utf8))}")
     if reply.logits and show_logits:
         best = max(range(len(reply.logits)), key=reply.logits.__getitem__)
         head = ", ".join(f"{v:.4f}" for v in reply.logits[:show_logits])

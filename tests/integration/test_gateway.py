@@ -23,10 +23,12 @@ import httpx
 import openai
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from common.entry_points import service_command
 from common.ports import free_port
 from common.serving_messages import ServeSpec
+from services.cli import app
 from services.lib.galaxy import pretrained
 from services.lib.text import TextModel, load_text
 from tests.gateway.folders import byte_level_tokenizer, write_folder
@@ -184,6 +186,12 @@ def test_the_openai_client_completes_and_streams_a_chat(
         want_text, _ = _reference(folder, text.encode(prompt), 8, text)
         done = client.completions.create(model="llama", prompt=prompt, max_tokens=8, temperature=0)
         assert done.choices[0].text == want_text
+        args = ["--model-dir", str(folder), "--prompt", prompt, "--generate", "8"]
+        cli = CliRunner().invoke(
+            app, ["infer", "llama", *args, "--coordinator", serving.cluster.addr]
+        )
+        assert cli.exit_code == 0, cli.output
+        assert f"generated text: {want_text!r}" in " ".join(cli.output.split())  # the CLI alike
 
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(

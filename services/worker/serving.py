@@ -42,7 +42,8 @@ from services.lib.galaxy import pretrained, sources
 from services.lib.galaxy.sampling import Sampler
 from services.worker.galaxy import hmp
 from services.worker.galaxy.profiling import profile_blocks
-from services.worker.tiles import Expecting, TileInbox, ZmqRing, measure_step_s
+from services.worker.step_cost import measure_step_s
+from services.worker.tiles import Expecting, TileInbox, ZmqRing
 from services.worker.transfers import to_device
 from services.worker.transport import Dispatcher
 

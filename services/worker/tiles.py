@@ -11,19 +11,15 @@ the device that precedes this one in the loaded plan's ring and for the loaded
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-import zmq
 from torch import Tensor
 
-from common.codec import Limits
 from common.errors import RoundAbortedError, RoundTimeoutError
 from common.ids import DeviceId
 from common.serving_messages import HmpTile
@@ -32,7 +28,7 @@ from services.worker.transfers import to_device, to_host
 if TYPE_CHECKING:
     from services.worker.transport import Dispatcher
 
-__all__ = ["Expecting", "TileInbox", "ZmqRing", "measure_step_s"]
+__all__ = ["Expecting", "TileInbox", "ZmqRing"]
 
 _Key = tuple[int, str]
 """A tile's request number and tag."""
@@ -171,51 +167,3 @@ class ZmqRing:
                 f"{self._msg.round} from {self._neighbour(-1)} within {timeout_s:g} s, got nothing"
             )
         return to_device(got, self._compute)
-
-
-STEP_PROBE_TIMEOUT_S = 10.0
-"""Longest one probing step may take; a device that slow gets this as its step cost."""
-
-
-def measure_step_s(me: DeviceId, rows: int, hidden: int, repeats: int = 9) -> float:
-    """Seconds of the ring's own work for one step of a `rows x hidden` tile, on this device.
-
-    The tile goes the serving path round a ring of one, `ZmqRing.send` ->
-    `Dispatcher` -> `Receiver` -> `TileInbox` -> `ZmqRing.recv`, over a private
-    in-process link, so what is timed is the framing, the copies, the thread hops
-    and wakeups, not the wire: the cost model adds the wire from the link's rate.
-    Timed on the device under its own CPU share, as its blocks are; the median of
-    `repeats` after one warm-up.
-    """
-    from services.worker.pool import TaskPool  # the transport imports this module
-    from services.worker.transport import Dispatcher, Receiver
-
-    ctx: zmq.Context[Any] = zmq.Context()
-    inbox = TileInbox(max(1, 4 * rows * hidden * 4))
-    addr = f"inproc://step-{uuid.uuid4().hex}"
-    receiver = Receiver(ctx, addr, Limits(), TaskPool(1), tiles=inbox)
-    dispatcher = Dispatcher(ctx, me, session="step")
-    receiver.start()
-    dispatcher.start()
-    try:
-        dispatcher.set_peers({me: receiver.endpoint})
-        inbox.expect(Expecting("step-probe", 0, me))
-        x = torch.zeros(max(rows, 1), hidden)
-        times = []
-        for request in range(1, repeats + 2):
-            inbox.start(request)
-            msg = HmpTile(serve_id="step-probe", epoch=0, round=request, tag="probe")
-            ring = ZmqRing([me], me, msg, dispatcher, inbox, lambda: None)
-            t0 = time.perf_counter()
-            ring.send("probe/0", x)
-            ring.recv("probe/0", STEP_PROBE_TIMEOUT_S)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
-    except RoundTimeoutError:
-        return STEP_PROBE_TIMEOUT_S
-    finally:
-        dispatcher.close()
-        dispatcher.join(STEP_PROBE_TIMEOUT_S)
-        receiver.stop.set()
-        receiver.join(STEP_PROBE_TIMEOUT_S)
-        ctx.term()

@@ -6,7 +6,8 @@ import torch
 from common.errors import RoundAbortedError
 from common.ids import DeviceId
 from common.serving_messages import HmpTile
-from services.worker.tiles import STEP_PROBE_TIMEOUT_S, Expecting, TileInbox, measure_step_s
+from services.worker.step_cost import STEP_PROBE_TIMEOUT_S, measure_step_s
+from services.worker.tiles import Expecting, TileInbox
 
 A, B = DeviceId("a"), DeviceId("b")
 

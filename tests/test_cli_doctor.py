@@ -250,7 +250,10 @@ def test_each_redis_failure_has_its_fix(error: Exception, says: str, fix: str) -
 def test_missing_extras_are_a_note_with_the_install_command() -> None:
     row = extras_check(lambda module: None if module in ("matplotlib", "sklearn") else object())
     assert row.status == "note"
-    assert row.data == {"installed": ["data", "quickstart", "serve"], "missing": ["fl", "plots"]}
+    assert row.data == {
+        "installed": ["data", "gateway", "quickstart", "serve"],
+        "missing": ["fl", "plots"],
+    }
     assert row.fix == "only if you want them: pip install 'asteroid-edge[fl,plots]'"
     assert extras_check(lambda module: object()).status == "ok"
 

@@ -21,7 +21,7 @@ from common.errors import ConfigError
 from common.galaxy.config import TransformerConfig, layer_key
 from common.serving_messages import MAX_PROMPT_TOKENS, TransformerShape
 from services.lib.galaxy.llama import LLAMA_LAYER_NAMES
-from services.lib.galaxy.weights import expected_shapes
+from services.lib.galaxy.weights import BERT_LAYER_NAMES, expected_shapes
 
 __all__ = ["MODEL_TYPES", "Layout", "Part", "Recipe", "layout_of"]
 
@@ -179,17 +179,6 @@ def _gpt2(raw: Mapping[str, Any]) -> Layout:
 
 # --- BERT --------------------------------------------------------------------
 
-_BERT_PAIRS = {
-    "q": "attention.self.query",
-    "k": "attention.self.key",
-    "v": "attention.self.value",
-    "o": "attention.output.dense",
-    "ln1": "attention.output.LayerNorm",
-    "up": "intermediate.dense",
-    "down": "output.dense",
-    "ln2": "output.LayerNorm",
-}
-
 
 def _bert(raw: Mapping[str, Any]) -> Layout:
     arch = _architecture(
@@ -244,7 +233,7 @@ def _bert(raw: Mapping[str, Any]) -> Layout:
             "embed.norm.bias": (Part(f"{e}LayerNorm.bias", (h,)),),
         }
         for i in range(config.layers):
-            for ours, theirs in _BERT_PAIRS.items():
+            for ours, theirs in BERT_LAYER_NAMES.items():
                 for part in ("weight", "bias"):
                     key = layer_key(i, f"{ours}.{part}")
                     out[key] = (Part(f"{p}encoder.layer.{i}.{theirs}.{part}", shapes[key]),)

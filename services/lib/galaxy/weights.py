@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from common.zoo import ZooModel
 
 __all__ = [
+    "BERT_LAYER_NAMES",
     "check_weights",
     "expected_shapes",
     "from_bert_small",
@@ -32,6 +33,18 @@ __all__ = [
     "llama_family_model",
 ]
 
+BERT_LAYER_NAMES = {
+    "q": "attention.self.query",
+    "k": "attention.self.key",
+    "v": "attention.self.value",
+    "o": "attention.output.dense",
+    "ln1": "attention.output.LayerNorm",
+    "up": "intermediate.dense",
+    "down": "output.dense",
+    "ln2": "output.LayerNorm",
+}
+"""Our name of each tensor of a BERT layer, and the modules' name (transformers' and a model
+folder's, under `encoder.layer.{i}.`)."""
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 
 
@@ -159,18 +172,8 @@ def _from_bert(
         "embed.norm.weight": take(sd, f"{e}LayerNorm.weight"),
         "embed.norm.bias": take(sd, f"{e}LayerNorm.bias"),
     }
-    pairs = {
-        "q": "attention.self.query",
-        "k": "attention.self.key",
-        "v": "attention.self.value",
-        "o": "attention.output.dense",
-        "ln1": "attention.output.LayerNorm",
-        "up": "intermediate.dense",
-        "down": "output.dense",
-        "ln2": "output.LayerNorm",
-    }
     for i in range(config.layers):
-        for ours, theirs in pairs.items():
+        for ours, theirs in BERT_LAYER_NAMES.items():
             for part in ("weight", "bias"):
                 key = f"{p}encoder.layer.{i}.{theirs}.{part}"
                 w[layer_key(i, f"{ours}.{part}")] = take(sd, key)

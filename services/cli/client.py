@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any, cast
 
 import zmq
 
 from common.codec import Envelope, Limits, recv_message, send_message
-from common.curve import COORDINATOR, load_keys
+from common.curve import load_keys
 from common.errors import AsteroidError, ProtocolError
 from common.messages import JobReply, Message
-from common.sockets import connect_dealer
+from services.lib.infer_client import operator_dealer
 
 __all__ = ["CoordinatorUnreachable", "RequestRefused", "ask_coordinator", "request"]
 
@@ -47,16 +46,8 @@ def request(address: str, msg: Message, answer: type[Message], timeout_s: float 
     limits = Limits()
     keys_dir = os.environ.get("ASTEROID_KEYS")
     keys = load_keys(Path(keys_dir) if keys_dir else None, "operator")
-    session = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
     ctx: zmq.Context[Any] = zmq.Context()
-    sock = connect_dealer(
-        ctx,
-        address,
-        f"{keys.name}/{session}" if keys else f"cli-{session}",
-        keys=keys,
-        server_key=keys.server_key("coordinator", COORDINATOR) if keys else None,
-        monitor=zmq.EVENT_HANDSHAKE_SUCCEEDED,
-    )
+    sock = operator_dealer(ctx, address, keys, "cli")
     monitor = sock.get_monitor_socket()
     try:
         send_message(sock, msg, "cli")

@@ -27,9 +27,29 @@ from common.messages import JobReply
 from common.serving_messages import InferChunk, InferReply, InferRequest
 from common.sockets import connect_dealer
 
-__all__ = ["InferRefused", "InferUnanswered", "infer", "stream_infer"]
+__all__ = ["InferRefused", "InferUnanswered", "infer", "operator_dealer", "stream_infer"]
 
 log = get_logger(__name__)
+
+
+def operator_dealer(
+    ctx: zmq.Context[Any], address: str, keys: CurveKeys | None, label: str
+) -> zmq.Socket[Any]:
+    """A DEALER to the coordinator at `address` with a fresh identity, watching its handshake.
+
+    With `keys` (an operator's key set) over CURVE as that operator, identity
+    NAME/SESSION; without, LABEL-SESSION on a loopback coordinator. The handshake
+    monitor (`get_monitor_socket`) tells a busy coordinator from an absent one.
+    """
+    session = uuid.uuid4().hex[:12]
+    return connect_dealer(
+        ctx,
+        address,
+        f"{keys.name}/{session}" if keys else f"{label}-{session}",
+        keys=keys,
+        server_key=keys.server_key("coordinator", COORDINATOR) if keys else None,
+        monitor=zmq.EVENT_HANDSHAKE_SUCCEEDED,
+    )
 
 
 class InferUnanswered(AsteroidError):
@@ -60,16 +80,8 @@ def stream_infer(
         InferRefused: If the coordinator refused the message itself.
 
     """
-    session = f"{uuid.uuid4().hex[:12]}"
     ctx: zmq.Context[Any] = zmq.Context()
-    sock = connect_dealer(
-        ctx,
-        address,
-        f"{keys.name}/{session}" if keys else f"infer-{session}",
-        keys=keys,
-        server_key=keys.server_key("coordinator", COORDINATOR) if keys else None,
-        monitor=zmq.EVENT_HANDSHAKE_SUCCEEDED,
-    )
+    sock = operator_dealer(ctx, address, keys, "infer")
     monitor = sock.get_monitor_socket()
     try:
         send_message(sock, request, "infer")

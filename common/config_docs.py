@@ -1,7 +1,8 @@
 """The configuration and job-spec reference tables, generated from their models.
 
-The README embeds these tables between markers; a test keeps them in sync so
-documentation cannot drift from the code.
+`docs/configuration.md` embeds these tables between markers (`DOC`); a test keeps
+them in sync so documentation cannot drift from the code. Regenerate with
+`python -m common.config_docs [FILE]`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ from common.settings import (
     WorkerSettings,
 )
 
-__all__ = ["SECTIONS", "federation_table", "job_table", "render", "settings_table"]
+__all__ = ["DOC", "SECTIONS", "federation_table", "job_table", "render", "settings_table"]
+
+DOC = "docs/configuration.md"
+"""The page holding every generated table (relative to the repository root): one file, so
+the three tables are regenerated together and the README stays a screen long."""
 
 
 def _rows(cls: type[BaseSettings], skip: set[str], who: str) -> list[str]:
@@ -104,7 +109,7 @@ def federation_table() -> str:
 
 
 SECTIONS = {"settings": settings_table, "job": job_table, "federation": federation_table}
-"""README sections generated here, between `<!-- NAME:begin -->` and `<!-- NAME:end -->`."""
+"""Sections of `DOC` generated here, between `<!-- NAME:begin -->` and `<!-- NAME:end -->`."""
 
 
 def render(text: str) -> str:
@@ -121,5 +126,5 @@ if __name__ == "__main__":
     import sys
     from pathlib import Path
 
-    readme = Path(sys.argv[1] if len(sys.argv) > 1 else "README.md")
-    readme.write_text(render(readme.read_text()))
+    page = Path(sys.argv[1] if len(sys.argv) > 1 else DOC)
+    page.write_text(render(page.read_text()))

@@ -374,7 +374,13 @@ class JobSpec(_Strict):
         "older ones beyond this many are deleted (the newest, which recovery and resume "
         "load, always stays).",
     )
-    min_workers: int = Field(1, ge=1, le=4096, description="Workers to wait for before planning.")
+    min_workers: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Workers to wait for before planning (absent: the vetted workers present "
+        "once no more join for a moment, at least one).",
+    )
     recovery: Literal["lightweight", "heavy", "none"] = Field(
         "lightweight",
         description="When devices are lost: move the partition points on the survivors "

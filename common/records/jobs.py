@@ -10,7 +10,7 @@ change is also an entry of the job's events stream (`common.records.events`).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -23,7 +23,9 @@ from common.store import Store
 
 __all__ = [
     "RECENT_JOBS",
+    "WAITING_NAMED",
     "JobRecord",
+    "Waiting",
     "commit_round",
     "forget_job",
     "index_job",
@@ -37,8 +39,39 @@ __all__ = [
 RECENT_JOBS = 50
 """How many of the newest jobs `status` lists."""
 
+WAITING_NAMED = 8
+"""How many of the vetted devices a wait for workers names (the others are counted)."""
+
 _JOB_KEYS = ("job", "events", "metrics", "plan", "cluster")
 """A job's exact keys besides its checkpoints and spec: what `forget_job` deletes."""
+
+
+class Waiting(RecordModel):
+    """A submitted job's wait for workers: how many are vetted, of how many it needs.
+
+    Written by the coordinator each time the vetted devices change, so a
+    person sees a wait that would otherwise look like a hang.
+    """
+
+    vetted: int = 0
+    need: int | None = None
+    """The job's `min_workers` (None: it starts on those present once they settle)."""
+    devices: list[str] = []
+    """The first `WAITING_NAMED` vetted devices, by name."""
+
+    @classmethod
+    def of(cls, vetted: Sequence[str], need: int | None) -> Waiting:
+        """The wait with `vetted` devices, naming the first `WAITING_NAMED` of them."""
+        return cls(vetted=len(vetted), need=need, devices=list(vetted[:WAITING_NAMED]))
+
+    @property
+    def line(self) -> str:
+        """One line for a person: ``waiting for workers 3/4 (dev-0, dev-1, dev-2)``."""
+        have = f"{self.vetted}" if self.need is None else f"{self.vetted}/{self.need}"
+        names = ", ".join(self.devices)
+        if self.vetted > len(self.devices):
+            names += f", +{self.vetted - len(self.devices)} more"
+        return f"waiting for workers {have}" + (f" ({names})" if names else "")
 
 
 class JobRecord(RecordModel):
@@ -88,13 +121,24 @@ class JobRecord(RecordModel):
     """A running serving job's plan."""
     profiles: dict[str, Any] | None = None
     """The block profiles a running serving job's plan was priced on, by device."""
+    waiting: Waiting | None = None
+    """A submitted job's wait for workers (None once it has them)."""
 
     @property
     def note(self) -> str:
-        """What went wrong or why it stopped, if anything: the error, else the reason."""
+        """What went wrong, why it stopped or what it waits for: the error, reason or wait."""
         if self.error is not None:
             return self.error
-        return "" if self.reason is None else self.reason
+        if self.reason is not None:
+            return self.reason
+        return self.waiting_line
+
+    @property
+    def waiting_line(self) -> str:
+        """The wait for workers of a job still submitted, as one line ("" when none)."""
+        if self.state != "submitted" or self.waiting is None:
+            return ""
+        return self.waiting.line
 
 
 def read_job(store: Store, jid: str) -> JobRecord | None:

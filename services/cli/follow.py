@@ -19,6 +19,7 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
+    TimeRemainingColumn,
 )
 
 from common.errors import ConfigError
@@ -35,7 +36,7 @@ from services.cli.client import ask_coordinator
 from services.cli.console import shown
 from services.coordinator.checks import check_job
 
-__all__ = ["JobView", "follow", "load_checked", "submit_and_follow"]
+__all__ = ["JobView", "follow", "load_checked", "progress_bar", "submit_and_follow"]
 
 
 @dataclass
@@ -50,6 +51,8 @@ class JobView:
 
 
 def _describe(job: JobRecord, last: dict[str, Any] | None, ev: dict[str, Any] | None) -> str:
+    if job.waiting_line:
+        return job.waiting_line
     parts = [job.state]
     if last is not None:
         parts.append(f"loss {last['loss']:.3f}")
@@ -59,6 +62,35 @@ def _describe(job: JobRecord, last: dict[str, Any] | None, ev: dict[str, Any] | 
     return " | ".join(parts)
 
 
+def progress_bar(console: Console) -> Progress:
+    """The bar `follow` shows: rounds done of the total, time taken and time remaining.
+
+    The remaining time is rich's estimate from the pace of the rounds of the
+    last five minutes (rich's default of 30 s would hold no round of a slow job).
+    """
+    return Progress(
+        TextColumn("[cyan]{task.fields[job]}"),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        transient=False,
+        speed_estimate_period=300.0,
+    )
+
+
+def _say(console: Console, text: str) -> None:
+    """A line above the bar, with the time: the stages a job goes through.
+
+    Printed, not `console.log`-ged: rich's log ends every line in the source
+    location it was called from, which is no use to a person following a job.
+    """
+    console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {shown(text)}", highlight=False)
+
+
 def follow(
     store: Store,
     job_id: str,
@@ -66,29 +98,34 @@ def follow(
     timeout_s: float = 24 * 3600.0,
     poll_s: float = 0.25,
 ) -> JobView:
-    """Show the job's progress until it ends (or `timeout_s`); returns what was seen."""
+    """Show the job's progress until it ends (or `timeout_s`); returns what was seen.
+
+    A wait for workers shows live in the bar and as a line each time it
+    changes; so do the job's stages (profiling, planning, running).
+    """
     view = JobView()
     after_m, after_e = "0", "0"
-    columns = (
-        TextColumn("[cyan]{task.fields[job]}"),
-        BarColumn(bar_width=20),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-    )
+    waited, started = "", False
     deadline = time.monotonic() + timeout_s
-    with Progress(*columns, console=console, transient=False) as bar:
+    with progress_bar(console) as bar:
         task = bar.add_task("submitted", total=None, job=shown(job_id))
         while True:
             job = read_job(store, job_id) or JobRecord()
             new, after_m = read_metrics_after(store, job_id, after_m)
             events, after_e = read_events_after(store, job_id, after_e)
             view.events += [e.fields() for e in events]
+            if job.waiting_line and job.waiting_line != waited:
+                _say(console, f"{job_id}: {job.waiting_line}")
+            waited = job.waiting_line
             for e in events:
                 if e.event in ("profiling", "planning", "running"):
-                    console.log(shown(f"{job_id}: {e.event}" + _detail(e)))
+                    _say(console, f"{job_id}: {e.event}" + _detail(e))
             view.rounds += [m.fields() for m in new if m.loss is not None]
             view.evals += [m.fields() for m in new if m.eval_accuracy is not None]
+            if not started and job.state == "running":
+                # a resumed job starts at its checkpoint: the rounds before it are no pace
+                bar.reset(task, completed=job.round or 0, total=job.total_rounds)
+                started = True
             bar.update(
                 task,
                 total=job.total_rounds,
@@ -118,9 +155,16 @@ def _detail(event: EventEntry) -> str:
 
 
 def load_checked(path: Path, workers: int) -> JobSpec:
-    """The job at `path`, checked as the coordinator will, for a cluster of `workers`."""
+    """The job at `path`, checked as the coordinator will, for a cluster of `workers`.
+
+    The cluster is started along with the job, its workers joining one by one:
+    a job without `min_workers` waits for all `workers`, rather than settling
+    on the first to join.
+    """
     job = load_job(path)
     check_job(job, CommonSettings().model_modules)
+    if job.min_workers is None:
+        return job.model_copy(update={"min_workers": workers})
     if job.min_workers > workers:
         raise ConfigError(f"min_workers: the job wants {job.min_workers}, there are {workers}")
     return job

@@ -54,9 +54,12 @@ from services.coordinator.infer_requests import PendingRequest
 from services.coordinator.membership import Verdict, admit, expired, forget, on_probe_reply
 from services.coordinator.versions import forget_versions, note_version
 
-__all__ = ["apply"]
+__all__ = ["apply", "never_ran"]
 
 Out = tuple[ClusterState, list[Command]]
+
+_NEVER_RAN = frozenset({"failed", "cancelled", "recorded"})
+"""What an id may hold and be replaced by a new submission, if it committed no round."""
 
 
 def apply(state: ClusterState, event: Event, now: float) -> Out:
@@ -184,7 +187,8 @@ def _submission(state: ClusterState, event: SubmitIn | JobChecked | ServeIn | Se
     """A submission's steps: checked (an effect), then refused or registered (an effect).
 
     An id that is active or queued is refused; so is one that holds an earlier
-    run, unless the submitter said to replace it.
+    run, unless the submitter said to replace it or that run never ran a
+    round (`never_ran`).
     """
     if isinstance(event, SubmitIn):
         return state, [CheckJob(event.peer, event.job, event.replace)]
@@ -201,9 +205,23 @@ def _submission(state: ClusterState, event: SubmitIn | JobChecked | ServeIn | Se
         error = f"job_id: job {jid} is already {event.state or 'queued'}"
         return state, [_refuse(event.peer, jid, error)]
     if event.held and not event.replace:
-        error = id_taken(jid, event.held, "submit with --replace")
-        return state, [_refuse(event.peer, jid, error)]
+        if not never_ran(event):
+            error = id_taken(jid, event.held, "submit with --replace")
+            return state, [_refuse(event.peer, jid, error)]
+        log = Log("info", "job replaces an earlier run that committed no round", {"job": jid})
+        return state, [log, RegisterJob(event.peer, event.checked, forget_old=True)]
     return state, [RegisterJob(event.peer, event.checked, forget_old=event.replace)]
+
+
+def never_ran(event: JobChecked) -> bool:
+    """The id's earlier run failed or was cancelled before it committed a round.
+
+    Such a run has no checkpoint or metrics worth keeping (a wait for workers
+    that timed out, a bad spec the coordinator refused late), so submitting
+    the same job again replaces it rather than making the person pick a new id
+    or say `--replace`. A run with committed rounds is kept: its checkpoints.
+    """
+    return event.held in _NEVER_RAN and event.committed == 0
 
 
 def _queue(state: ClusterState, event: JobRegistered) -> Out:

@@ -19,13 +19,14 @@ from dataclasses import replace
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
-from common.errors import ConfigError
+from common.checkpoint import latest_round
+from common.errors import ConfigError, StoreError
 from common.ids import DeviceId
 from common.logging import get_logger
 from common.messages import CancelJob, DrainDevice, Message, SubmitJob
 from common.records.devices import forget_devices, write_device
 from common.records.documents import put_jobspec
-from common.records.jobs import index_job, job_state, write_job, write_job_state
+from common.records.jobs import index_job, job_state, read_job, write_job, write_job_state
 from common.secrets import mask_text
 from common.serving_messages import InferRequest, ServeModel
 from common.settings import CoordinatorSettings
@@ -215,7 +216,8 @@ class Cluster:
             checked = check_job(cmd.job, self.settings.model_modules, probe_limits(self.settings))
             state = job_state(self.store, jid)
             held = job_records.existing(self.store, jid)
-            return JobChecked(peer, checked, cmd.replace, state, held)
+            committed = _committed(self.store, jid) if held else 0
+            return JobChecked(peer, checked, cmd.replace, state, held, committed)
         except ConfigError as exc:
             return JobRefused(peer, jid, str(exc))
         except OUTAGE as exc:
@@ -245,3 +247,17 @@ class Cluster:
         except REFUSED as exc:
             error = str(store.refusal(exc, f"recording serving job {jid}"))
             return JobRefused(cmd.peer, jid, error)
+
+
+def _committed(store: Store, jid: str) -> int | None:
+    """Rounds job `jid`'s earlier run committed: its record's or its newest checkpoint's.
+
+    None when either is unreadable (written by no coordinator): the earlier run
+    is then kept, as one that ran would be.
+    """
+    try:
+        record = read_job(store, jid)
+        latest = latest_round(store, jid)
+    except (StoreError, ValueError, TypeError):
+        return None
+    return max(0 if record is None else record.round or 0, latest or 0)

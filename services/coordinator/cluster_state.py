@@ -196,7 +196,9 @@ class JobChecked:
     """`CheckJob`'s answer: the job passed, and what Redis holds for its id.
 
     `state` is the id's recorded state (None: none); `held` what the id already
-    holds at all (its state, or "checkpointed", "recorded"; None: nothing).
+    holds at all (its state, or "checkpointed", "recorded"; None: nothing);
+    `committed` the rounds an earlier run committed, by its record or its
+    newest checkpoint (None: not known).
     """
 
     peer: DeviceId
@@ -204,6 +206,7 @@ class JobChecked:
     replace: bool
     state: str | None
     held: str | None
+    committed: int | None = None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from common.logging import get_logger
 from common.profile import ClusterSpec, Profile, load_profiles
 from common.records.counters import raise_plan_epoch
 from common.records.documents import put_cluster, put_plan, read_cluster
-from common.records.jobs import commit_round
+from common.records.jobs import Waiting, commit_round, write_job
 from services.coordinator import links, prepare
 from services.coordinator.core import Heard, Log, SendProbe
 from services.coordinator.driver import (
@@ -55,6 +55,7 @@ from services.coordinator.prepare_state import (
     ForgetLink,
     LinkAsked,
     MeasureLink,
+    NoteWaiting,
     Prep,
     PrepLimits,
     ProfileFacts,
@@ -169,10 +170,21 @@ class Effects:
 
     def prepare(
         self,
-        cmd: ReadProfiles | ReadClusterBase | MeasureLink | ForgetLink | StoreLinks | StoreCluster,
+        cmd: ReadProfiles
+        | ReadClusterBase
+        | MeasureLink
+        | ForgetLink
+        | StoreLinks
+        | StoreCluster
+        | NoteWaiting,
     ) -> ProfilesRead | ClusterBaseRead | LinkAsked | None:
         """Carry out a preparation command; the event it answers with, if any."""
         coord, store = self.coord, self.store
+        if isinstance(cmd, NoteWaiting):
+            wait = None if cmd.vetted is None else Waiting.of(cmd.vetted, cmd.need).model_dump()
+            write = partial(write_job, store, self.jid, waiting=wait)
+            coord.durable("recording the wait for workers", write)
+            return None
         if isinstance(cmd, ReadProfiles):
             return ProfilesRead(
                 coord.durable("reading the profiles", partial(self._facts, cmd.keys))

@@ -1,14 +1,15 @@
 """A job's preparation as one pure function: `apply(prep, event, now) -> (prep, commands)`.
 
-Before a job trains, the coordinator waits for `min_workers` devices and vets
-them, profiles each kind of device (cached profiles reused), measures the links
-between them, and asks the planner for a plan; a job's start then waits for the
-plan's devices to be heard from. A running job's re-plan (`replan`) goes the
-same way from the vetting of the devices it names. Every decision is taken
-here, from the preparation's state and one event at a time, and returned as
-commands; the shell (`jobs.JobRun`) owns the socket, Redis and the clock, carries
-the commands out and feeds back what they answer and what the network brings.
-So every rule is tested with scripted events on a fake clock, without sockets.
+Before a job trains, the coordinator waits for `min_workers` devices (without it,
+for the devices present to settle) and vets them, profiles each kind of device
+(cached profiles reused), measures the links between them, and asks the planner
+for a plan; a job's start then waits for the plan's devices to be heard from. A
+running job's re-plan (`replan`) goes the same way from the vetting of the
+devices it names. Every decision is taken here, from the preparation's state and
+one event at a time, and returned as commands; the shell (`jobs.JobRun`) owns the
+socket, Redis and the clock, carries the commands out and feeds back what they
+answer and what the network brings. So every rule is tested with scripted
+events on a fake clock, without sockets.
 
 Vetting: a heartbeat costs nothing to send, and anyone on the LAN can send one
 that copies a real worker's fingerprint; planned into a stage, such a device
@@ -45,6 +46,7 @@ from services.coordinator.prepare_state import (
     Command,
     Event,
     LinkAsked,
+    NoteWaiting,
     Out,
     Prep,
     PrepLimits,
@@ -65,7 +67,7 @@ def start(
     services: Mapping[str, float],
     next_challenge: int = -1,
 ) -> Out:
-    """A job's start: wait for `job.min_workers` vetted devices, then profile, measure, plan."""
+    """A job's start: wait for its vetted devices (`_workers`), then profile, measure, plan."""
     prep = Prep(
         job=job,
         layers=layers,
@@ -263,36 +265,55 @@ def _answered(prep: Prep, event: ProbeAnswer, now: float) -> Out:
 
 
 def _workers(prep: Prep, now: float) -> Out:
-    """Wait until `min_workers` live devices are vetted; then profile them."""
-    count = prep.job.min_workers
+    """Wait for the job's workers to be vetted; then profile them.
+
+    With `min_workers`, until that many are. Without, the job fits the cluster
+    it is run on: it starts on the vetted devices present (at least one) once
+    they stayed the same for `settle_s`, so workers started together are not
+    left behind. Each change of the vetted devices is logged and written into
+    the job's hash (`NoteWaiting`), where `status` and `train` show the wait.
+    """
+    need = prep.job.min_workers
     alive = _alive(prep, now)
     prep, cmds = _expire(prep, now)
-    vetted = sorted(d for d in alive if d in prep.proven)
-    prep, more = _challenge(prep, alive, now, again=len(vetted) < count)
+    vetted = tuple(sorted(d for d in alive if d in prep.proven))
+    prep, more = _challenge(prep, alive, now, again=len(vetted) < (need or 1))
     cmds += more
-    if tuple(vetted) != prep.waiting_logged:
-        prep = replace(prep, waiting_logged=tuple(vetted))
-        fields = {"vetted": f"{len(vetted)}/{count}", "workers": vetted}
-        cmds.append(Log("info", "waiting for workers", fields))
+    if vetted != prep.waiting_logged:
+        prep = replace(prep, waiting_logged=vetted, vetted_since=now)
+        have = f"{len(vetted)}" if need is None else f"{len(vetted)}/{need}"
+        cmds.append(Log("info", "waiting for workers", {"vetted": have, "workers": list(vetted)}))
+        cmds.append(NoteWaiting(vetted, need))
     outstanding = any(d in prep.challenges for d in alive)
-    if len(vetted) >= count and not outstanding:
-        chosen = {d: alive[d] for d in vetted}
-        prep = replace(prep, chosen=chosen)
-        cmds.append(Record("profiling", {"workers": vetted}))
+    late = now > prep.deadline
+    if need is None:
+        settled = now - prep.vetted_since >= prep.limits.settle_s
+        enough = bool(vetted) and (settled or late)
+    else:
+        enough = len(vetted) >= need
+    if enough and not outstanding:
+        prep = replace(prep, chosen={d: alive[d] for d in vetted})
+        cmds += [NoteWaiting(None), Record("profiling", {"workers": list(vetted)})]
         if prep.job.global_batch is None:
             why = "global_batch: required when the planner makes the plan"
             return fail(prep, why, config=True, out=cmds)
         prep, more = steps.begin_profiling(prep, now)
         return prep, [*cmds, *more]
-    if now > prep.deadline:
-        left = {d: why for d, why in prep.refused.items() if d not in vetted}
-        return fail(
-            prep,
-            f"min_workers: {count} workers wanted, {len(vetted)} joined and vetted "
-            f"within {prep.limits.join_timeout_s:g} s ({vetted}; left out: {left or 'none'})",
-            out=cmds,
-        )
+    if late:
+        return fail(prep, _short(prep, list(vetted), need), out=[*cmds, NoteWaiting(None)])
     return prep, cmds
+
+
+def _short(prep: Prep, vetted: list[DeviceId], need: int | None) -> str:
+    """Why the wait for workers failed: how many it had, which, and who was left out why."""
+    left = {d: why for d, why in prep.refused.items() if d not in vetted}
+    within = f"within {prep.limits.join_timeout_s:g} s"
+    if need is None:
+        return f"no worker joined and was vetted {within} (left out: {left or 'none'})"
+    return (
+        f"min_workers: {need} workers wanted, {len(vetted)} joined and vetted {within} "
+        f"({vetted}; left out: {left or 'none'})"
+    )
 
 
 def _vetting(prep: Prep, now: float) -> Out:

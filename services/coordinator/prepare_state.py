@@ -33,6 +33,7 @@ __all__ = [
     "LinkAsked",
     "MeasureLink",
     "Measuring",
+    "NoteWaiting",
     "Out",
     "Prep",
     "PrepLimits",
@@ -81,6 +82,15 @@ class PrepLimits:
     def fresh_service_s(self) -> float:
         """A profiler heard from within this long is asked (ten heartbeat deadlines)."""
         return 10 * self.heartbeat_s * self.heartbeat_misses
+
+    @property
+    def settle_s(self) -> float:
+        """A job without `min_workers` starts once its vetted workers stayed the same this long.
+
+        Four heartbeat intervals: a worker that is up is heard from within one,
+        so one that joins along with the others is not left behind.
+        """
+        return 4 * self.heartbeat_s
 
 
 @dataclass(frozen=True)
@@ -154,6 +164,8 @@ class Prep:
     """The nonce of the next challenge; challenges count down, suspects' probes up."""
     waiting_logged: tuple[DeviceId, ...] | None = None
     """The vetted devices the last "waiting for workers" line named."""
+    vetted_since: float = 0.0
+    """When the vetted devices last changed (a job without `min_workers` settles from it)."""
     keys: Mapping[DeviceId, str] = field(default_factory=dict)
     """Each chosen device's profile key (as far as known)."""
     todo: tuple[Asking, ...] = ()
@@ -274,6 +286,18 @@ class StoreLinks:
 
 
 @dataclass(frozen=True)
+class NoteWaiting:
+    """Write what the wait for workers has (`vetted`) and needs into the job's hash.
+
+    No state change: the job stays submitted, and `asteroid status` and
+    `train`'s progress show the wait while it lasts. `vetted` None clears it.
+    """
+
+    vetted: tuple[DeviceId, ...] | None
+    need: int | None = None
+
+
+@dataclass(frozen=True)
 class StoreCluster:
     """Store `cluster` as the one the job is planned for."""
 
@@ -292,6 +316,7 @@ Command = (
     | ForgetLink
     | StoreLinks
     | StoreCluster
+    | NoteWaiting
 )
 
 

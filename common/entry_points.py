@@ -19,6 +19,7 @@ __all__ = ["SERVICE_SCRIPTS", "service_command"]
 
 SERVICE_SCRIPTS: dict[str, str] = {
     "coordinator": "asteroid-coordinator",
+    "dashboard": "asteroid-dashboard",
     "federation": "asteroid-federation",
     "gateway": "asteroid-gateway",
     "planner": "asteroid-planner",

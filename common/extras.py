@@ -24,6 +24,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "fl": ("sklearn",),
     "data": ("PIL", "datasets"),
     "gateway": ("starlette", "uvicorn", "tokenizers", "jinja2"),
+    "dashboard": ("starlette", "uvicorn", "prometheus_client"),
 }
 """Each extra and the modules it provides (the import names, not the distributions)."""
 
@@ -40,9 +41,16 @@ def _extra_of(module: str) -> str:
     raise KeyError(f"{module!r} belongs to no extra")  # a programming error, caught by tests
 
 
-def require(module: str, what: str) -> ModuleType:
-    """Import `module`, or raise MissingExtraError saying that `what` needs its extra."""
-    extra = _extra_of(module)
+def require(module: str, what: str, extra: str | None = None) -> ModuleType:
+    """Import `module`, or raise MissingExtraError saying that `what` needs its extra.
+
+    `extra` names the extra to install where several provide the module (the
+    gateway's and the dashboard's both bring uvicorn); by default the first.
+    """
+    if extra is None:
+        extra = _extra_of(module)
+    elif module.split(".")[0] not in EXTRAS[extra]:
+        raise KeyError(f"the {extra!r} extra does not provide {module!r}")  # a programming error
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:

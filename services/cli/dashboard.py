@@ -1,0 +1,76 @@
+"""`asteroid dashboard`: the running cluster as a web page, in the foreground until Ctrl-C.
+
+The cluster is found as every CLI command finds it (an option, then the
+``ASTEROID_*`` variables, then the local cluster `asteroid up` runs), so on
+the machine of the quick start it needs no option at all. The page and
+Prometheus's ``/metrics`` are `services.dashboard`'s.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Annotated
+
+import typer
+
+from common.bootstrap import Stop
+from common.errors import AsteroidError
+from common.exit_codes import ExitCode, exit_code_of
+from services.cli.console import CliConsole, shown
+from services.dashboard.settings import DEFAULT_PORT, DashboardSettings
+
+__all__ = ["dashboard"]
+
+console = CliConsole()
+
+
+def dashboard(
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="HTTP port (0: any free one).")
+    ] = DEFAULT_PORT,
+    host: Annotated[
+        str, typer.Option(help="Address to listen on; beyond loopback anyone reaching it reads it.")
+    ] = "127.0.0.1",
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Redis URL (default: ASTEROID_REDIS_URL, else the local cluster's)."),
+    ] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option(
+            help="Cluster key prefix (default: ASTEROID_CLUSTER, else the local cluster's)."
+        ),
+    ] = None,
+    coordinator: Annotated[
+        str | None,
+        typer.Option(help="Coordinator address, asked where Redis is when no URL is set."),
+    ] = None,
+) -> None:
+    """Show the running cluster in a web page (devices, plan, rounds, events) and /metrics."""
+    from common.local_cluster import resolve_settings
+    from services.dashboard.main import serve
+
+    try:
+        common = resolve_settings(coordinator, redis_url, cluster)
+        fields = {k: getattr(common, k) for k in common.model_fields_set}
+        settings = DashboardSettings(**fields, http_host=host, http_port=port)
+    except AsteroidError as exc:
+        console.print(f"[red]error:[/red] {shown(exc)}")
+        raise typer.Exit(int(exit_code_of(exc))) from None
+    stop = Stop("asteroid dashboard")
+    previous = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def listening(url: str) -> None:
+        console.print(
+            f"dashboard at [cyan]{url}[/cyan] (Prometheus: {url}metrics); Ctrl-C stops it"
+        )
+
+    try:
+        code = serve(settings, stop, listening)
+    except AsteroidError as exc:
+        console.print(f"[red]error:[/red] {shown(exc)}")
+        raise typer.Exit(int(exit_code_of(exc))) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    raise typer.Exit(int(code if stop.signal is None else ExitCode.OK))

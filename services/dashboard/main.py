@@ -1,0 +1,117 @@
+"""`asteroid-dashboard`: the running cluster as a web page and a Prometheus endpoint.
+
+It reads the cluster's Redis and nothing else, and writes nothing: as many
+dashboards as people may run beside a cluster without changing it. The HTTP
+server (uvicorn) runs on a thread of its own, so the stop (SIGTERM, Ctrl-C)
+stays the main thread's, as in the gateway. `asteroid dashboard` runs the
+same `serve` in the foreground with the local cluster found for it.
+
+Exit codes: 0 stopped by SIGTERM/SIGINT; 2 invalid settings or a port taken;
+130 a second signal (`common.exit_codes.ExitCode`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from common.bootstrap import Stop, run_service
+from common.curve import is_loopback, load_keys
+from common.errors import ConfigError
+from common.exit_codes import ExitCode
+from common.extras import require
+from common.locate import with_redis
+from common.logging import get_logger
+from common.store import Store
+from services.dashboard.settings import DashboardSettings
+
+__all__ = ["main", "serve"]
+
+log = get_logger(__name__)
+
+POLL_S = 0.2
+"""How often the main thread looks at the HTTP server's thread."""
+STOP_GRACE_S = 5.0
+"""Longest the HTTP server may take to finish its requests after a stop."""
+REDIS_TIMEOUT_S = 5.0
+"""Bound on one Redis command: a page waits no longer for an answer."""
+
+
+def _bound_port(server: Any, fallback: int) -> int:
+    """The port uvicorn listens on (the one the system chose for port 0)."""
+    for srv in getattr(server, "servers", []) or []:
+        for sock in getattr(srv, "sockets", []) or []:
+            return int(sock.getsockname()[1])
+    return fallback
+
+
+def serve(
+    settings: DashboardSettings, stop: Stop, on_listening: Callable[[str], None] | None = None
+) -> ExitCode:
+    """Serve the dashboard until `stop`; `on_listening(url)` once it listens.
+
+    Raises:
+        MissingExtraError: The `dashboard` extra is not installed.
+        ConfigError: The address cannot be listened on (taken, or not this machine's).
+
+    """
+    uvicorn: Any = require("uvicorn", "the dashboard", "dashboard")
+    require("starlette", "the dashboard", "dashboard")
+    require("prometheus_client", "the dashboard", "dashboard")
+    from services.dashboard.app import create_app
+    from services.dashboard.state import ClusterReader
+
+    host, port = settings.http_host, settings.http_port
+    loopback = is_loopback(f"tcp://{host}:{port}")
+    if not loopback:
+        log.warning("the dashboard listens beyond this machine: whoever reaches it reads it")
+    if {"coordinator", "keys"} & settings.model_fields_set:  # else the default URL, as `status`
+        keys = load_keys(settings.keys, "operator")
+        settings = with_redis(settings, keys, "operator", stop=stop.is_set)
+    store = Store(settings.redis_url, settings.cluster, REDIS_TIMEOUT_S, REDIS_TIMEOUT_S)
+    reader = ClusterReader(store, settings.cluster, settings.stale_s())
+    config = uvicorn.Config(
+        create_app(reader, loopback_only=loopback),
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=STOP_GRACE_S,
+    )
+    server = uvicorn.Server(config)
+    stop.on_stop(lambda _signal: setattr(server, "should_exit", True))
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread.start()
+    url = None
+    try:
+        while thread.is_alive():
+            thread.join(POLL_S)
+            if server.started and url is None:
+                shown = f"[{host}]" if ":" in host else host
+                url = f"http://{shown}:{_bound_port(server, port)}/"
+                log.info("dashboard listening", url=url, redis=store.where, cluster=reader.cluster)
+                if on_listening is not None:
+                    on_listening(url)
+    finally:
+        server.should_exit = True
+        thread.join(STOP_GRACE_S)
+        store.close()
+    if url is None:
+        raise ConfigError(
+            f"the dashboard could not listen on {host}:{port} (taken, or not an address of "
+            "this machine?)"
+        )
+    log.info("dashboard stopped", signal=stop.signal)
+    return ExitCode.OK
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of `asteroid-dashboard`."""
+    sys.exit(run_service("dashboard", DashboardSettings, serve, argv))
+
+
+if __name__ == "__main__":
+    main()

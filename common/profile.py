@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from common.errors import ConfigError
+from common.units import Bytes, BytesPerSecond
 
 if TYPE_CHECKING:
     from common.store import Store
@@ -93,8 +94,14 @@ class DeviceSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
-    memory_bytes: int = Field(gt=0, description="Memory budget for training on this device.")
-    profile: str = Field("", description="Key of the profile measured on this device (or alike).")
+    memory_bytes: Bytes = Field(
+        gt=0, description="Memory budget for training on this device (4GiB, 512MB, bytes)."
+    )
+    profile: str = Field(
+        "",
+        description="The device's speed: a device kind, `here`, or a profiled fingerprint "
+        "(`asteroid plan --list-profiles`).",
+    )
     slowdown: float = Field(
         1.0, gt=0, description="Multiplier on the profile's times (emulated slower devices)."
     )
@@ -106,8 +113,10 @@ class ClusterSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     devices: list[DeviceSpec] = Field(min_length=1)
-    bandwidth: float = Field(12.5e6, gt=0, description="Default link bandwidth (bytes/s).")
-    links: dict[str, float] = Field(
+    bandwidth: BytesPerSecond = Field(
+        12.5e6, gt=0, description="Default link bandwidth (bytes/s, or like 12.5MB/s)."
+    )
+    links: dict[str, BytesPerSecond] = Field(
         default_factory=dict, description='Per-pair bandwidth, key "a|b" (symmetric).'
     )
     latency_s: float = Field(0.0, ge=0)

@@ -1,9 +1,9 @@
-"""The example job specs and plan shipped inside the package, and `asteroid examples`.
+"""The example job specs, plan and cluster file shipped in the package, and `asteroid examples`.
 
 They are package data read through `importlib.resources`, so `asteroid demo`
 finds its job wherever the package is installed and whatever the current
 folder holds; `asteroid examples DIR` writes them out to edit or to give to
-`asteroid-coordinator --job ... --plan ...`.
+`asteroid-coordinator --job ... --plan ...` (and `cluster.yaml` to `asteroid plan`).
 """
 
 from __future__ import annotations

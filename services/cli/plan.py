@@ -1,14 +1,16 @@
 """`asteroid plan`: look at a plan before training with it.
 
-Turns profiles and a cluster spec into a plan with any planner, prints it
-next to the simulator's verdict, and can draw the simulated schedule.
+Turns a cluster file a person writes (devices named by a profile: a shipped
+device kind, `here`, or a fingerprint in Redis; see `plan_profiles`) into a plan
+with any planner, prints it next to the simulator's verdict, and can draw the
+simulated schedule.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 import yaml
@@ -18,14 +20,25 @@ from rich.table import Table
 from common.errors import ConfigError, PlanError, StoreError
 from common.exit_codes import ExitCode
 from common.plan import Plan
-from common.profile import ClusterSpec, Profile, load_profiles
+from common.profile import ClusterSpec, Profile
 from common.settings import CommonSettings
 from common.store import Store
 from services.cli.console import CliConsole, shown
+from services.cli.jobs import RedisOpt
+from services.cli.plan_profiles import (
+    HERE,
+    KINDS,
+    known_names,
+    resolve_profiles,
+    stored_fingerprints,
+)
 from services.planner.base import check_memory
 from services.planner.cost import CostModel
 from services.planner.registry import PLANNERS, get_planner
 from services.planner.simulator import SimResult, simulate
+
+if TYPE_CHECKING:
+    from common.zoo import ModelSpec
 
 __all__ = ["plan", "plan_table"]
 
@@ -40,23 +53,86 @@ def _load_cluster(path: Path) -> ClusterSpec:
         raise ConfigError(f"cluster {path} is invalid: {exc}") from exc
 
 
-def _profiles(files: list[Path], cluster: ClusterSpec) -> dict[str, Profile]:
-    """Profiles from files (keyed by file stem), else from Redis by the cluster's keys."""
-    if files:
-        out = {}
-        for f in files:
-            try:
-                out[f.stem] = Profile.model_validate(json.loads(f.read_text()))
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"profile {f} is invalid: {exc}") from exc
-        return out
-    settings = CommonSettings()
-    store = Store(settings.redis_url, settings.cluster)
+def _settings(redis_url: str | None) -> CommonSettings:
+    """Where Redis is: the option, else ASTEROID_*, else the running local cluster."""
+    try:
+        from common.local_cluster import resolve_settings
+    except ImportError:  # the local cluster's discovery is optional here
+        settings = CommonSettings()
+        return settings.model_copy(update={"redis_url": redis_url}) if redis_url else settings
+    return resolve_settings(redis_url=redis_url)
+
+
+def _open_store(redis_url: str | None) -> Store | None:
+    """A Store on the cluster's Redis when one answers within seconds, else None."""
+    settings = _settings(redis_url)
+    store = Store(settings.redis_url, settings.cluster, timeout_s=5.0, connect_timeout_s=2.0)
     try:
         store.ping()
-        return load_profiles(store, sorted({d.profile for d in cluster.devices}))
-    finally:
+    except StoreError:
         store.close()
+        return None
+    return store
+
+
+def _model(name: str) -> ModelSpec:
+    from common.zoo import ModelSpec  # torch comes with the zoo: not for --help
+
+    try:
+        return ModelSpec(name=name)
+    except ValidationError as exc:
+        raise ConfigError(f"--model {name!r} is not a model: {exc}") from exc
+
+
+def _from_files(files: list[Path]) -> dict[str, Profile]:
+    """Profiles from JSON files, keyed by file stem (a device's `profile:` names a stem)."""
+    out = {}
+    for f in files:
+        try:
+            out[f.stem] = Profile.model_validate(json.loads(f.read_text()))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"profile {f} is invalid: {exc}") from exc
+    return out
+
+
+def _profiles(
+    cluster: ClusterSpec, model: str, micro: int, redis_url: str | None
+) -> dict[str, Profile]:
+    """Each profile name the cluster's devices give, resolved (see `plan_profiles`)."""
+    wanted: dict[str, str] = {}
+    for d in cluster.devices:
+        if not d.profile:
+            names = ", ".join(p.name for p in known_names())
+            raise ConfigError(f"device {d.name} names no profile; give one of: {names}")
+        wanted.setdefault(d.profile, d.name)
+    spec = _model(model)
+    store = None
+    if any(name not in KINDS and name != HERE for name in wanted):
+        store = _open_store(redis_url)
+    try:
+        return resolve_profiles(wanted, spec, micro, store)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _list_profiles(model: str, redis_url: str | None) -> None:
+    """Print every profile name a cluster file may use for `model`."""
+    from common.model_key import model_key
+
+    key = model_key(_model(model))
+    store = _open_store(redis_url)
+    stored = [] if store is None else stored_fingerprints(store, key)
+    if store is not None:
+        store.close()
+    table = Table(title=f"profiles for {key}")
+    for col in ("profile", "memory", "what"):
+        table.add_column(col)
+    for p in known_names(stored):
+        table.add_row(p.name, f"{p.memory_bytes / GiB:.1f} GiB" if p.memory_bytes else "", p.what)
+    console.print(table)
+    if store is None:
+        console.print("no Redis answered: profiles stored by asteroid-profiler are not listed")
 
 
 def plan_table(plan: Plan, sim: SimResult, cost: CostModel) -> Table:
@@ -84,32 +160,59 @@ def plan_table(plan: Plan, sim: SimResult, cost: CostModel) -> Table:
 
 
 def plan(
-    cluster: Annotated[Path, typer.Option(help="Cluster spec (YAML): devices, memory, links.")],
-    global_batch: Annotated[int, typer.Option(help="Samples per round.")],
-    microbatches: Annotated[int, typer.Option(help="Micro-batches per round.")],
+    cluster: Annotated[
+        Path | None,
+        typer.Option(help="Cluster file (YAML): devices with a profile and memory; links."),
+    ] = None,
+    global_batch: Annotated[int | None, typer.Option(min=1, help="Samples per round.")] = None,
+    microbatches: Annotated[
+        int | None, typer.Option(min=1, help="Micro-batches per round.")
+    ] = None,
+    model: Annotated[
+        str, typer.Option(help="Zoo model the devices' profiles describe.")
+    ] = "small_cnn",
     planner: Annotated[str, typer.Option(help=f"One of: {', '.join(sorted(PLANNERS))}.")] = (
         "asteroid"
     ),
     profile: Annotated[
-        list[Path] | None, typer.Option(help="Profile JSON files (default: from Redis).")
+        list[Path] | None,
+        typer.Option(help="Profile JSON files, named by stem (instead of profile names)."),
     ] = None,
+    list_profiles: Annotated[
+        bool, typer.Option("--list-profiles", help="List the profile names a device may give.")
+    ] = False,
     out: Annotated[Path | None, typer.Option(help="Write the plan as JSON.")] = None,
     timeline: Annotated[
         Path | None, typer.Option(help="Draw the simulated schedule as a PNG.")
     ] = None,
     compare: Annotated[bool, typer.Option(help="Also simulate every other planner.")] = False,
+    redis_url: RedisOpt = None,
 ) -> None:
-    """Make a plan from profiles and a cluster spec, and simulate it."""
+    """Make a plan from a cluster file, and simulate it.
+
+    Each device's `profile:` is a device kind, `here` (this machine, measured now)
+    or a fingerprint profiled into Redis: `asteroid plan --list-profiles` lists them.
+    """
     try:
+        if list_profiles:
+            _list_profiles(model, redis_url)
+            return
+        if cluster is None or global_batch is None or microbatches is None:
+            raise ConfigError(
+                "give --cluster, --global-batch and --microbatches "
+                "(asteroid examples writes a cluster.yaml to start from)"
+            )
         spec = _load_cluster(cluster)
-        cost = CostModel(_profiles(profile or [], spec), spec)
+        micro = -(-global_batch // microbatches)
+        profiles = _from_files(profile) if profile else _profiles(spec, model, micro, redis_url)
+        cost = CostModel(profiles, spec)
         made = get_planner(planner).plan(cost, global_batch, microbatches)
     except (ConfigError, PlanError) as exc:
-        console.print(f"[red]error:[/red] {shown(exc)}")
+        console.print(f"[red]error:[/red] {shown(exc)}", soft_wrap=True)
         raise typer.Exit(ExitCode.CONFIG) from exc
     except StoreError as exc:
-        console.print(f"[red]error:[/red] {shown(exc)}")
-        raise typer.Exit(ExitCode.FAILED) from exc
+        console.print(f"[red]error:[/red] {shown(exc)}", soft_wrap=True)
+        raise typer.Exit(ExitCode.REDIS_UNAVAILABLE) from exc
     sim = simulate(made, cost)
     console.print(plan_table(made, sim, cost))
     console.print(

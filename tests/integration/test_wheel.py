@@ -136,7 +136,7 @@ def test_the_base_install_has_no_extra_and_names_the_one_a_feature_needs(
     res = _run([venv_bin / "python", "-c", probe], 120, cwd=tmp_path, env=env)
     extras, error = res.stdout.splitlines()
     assert extras == str(
-        dict.fromkeys(("quickstart", "plots", "serve", "fl", "data", "gateway"), False)
+        dict.fromkeys(("quickstart", "plots", "serve", "fl", "data", "gateway", "dashboard"), False)
     )
     assert error == "a timeline picture needs the 'plots' extra: pip install 'asteroid-edge[plots]'"
 

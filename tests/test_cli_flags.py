@@ -23,6 +23,7 @@ from tests.pyproject import pyproject
 ROOT = Path(__file__).resolve().parent.parent
 MAINS = {
     "coordinator": "services.coordinator.main",
+    "dashboard": "services.dashboard.main",
     "federation": "services.federation.main",
     "gateway": "services.gateway.main",
     "planner": "services.planner.service",

@@ -119,7 +119,7 @@ class ComposeStack:
         return run(cmd, timeout_s, self.env())
 
     def make_keys(self) -> None:
-        """The secrets directory, made by the script the README gives."""
+        """The secrets directory, made by the script docs/deploy.md gives."""
         env = {**os.environ, "ASTEROID": asteroid_command()}
         run(["bash", str(KEYS_SCRIPT), str(self.keys), str(len(WORKERS))], 60, env)
 

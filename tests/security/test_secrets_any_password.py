@@ -238,7 +238,7 @@ def test_workers_and_status_show_no_password_and_the_documented_way_keeps_it_off
     c = LocalCluster(tmp_path, f"redis://127.0.0.1:{locked_redis}/0", cluster_name)
     c.env["COLUMNS"] = "500"
     try:
-        # as the README says: the URL names no password, the file holds it
+        # as docs/real-devices.md says: the URL names no password, the file holds it
         worker = ["-m", "services.worker.main", "--device", "w1"]
         c.spawn("w1", [*worker, "--redis-password-file", str(password_file)])
         c.env["ASTEROID_REDIS_PASSWORD_FILE"] = str(password_file)

@@ -8,7 +8,9 @@ watching never slows it down.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,12 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    Task,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 
 from common.errors import ConfigError
 from common.job import JobSpec, load_job
@@ -62,7 +66,18 @@ def _describe(job: JobRecord, last: dict[str, Any] | None, ev: dict[str, Any] | 
     return " | ".join(parts)
 
 
-def progress_bar(console: Console) -> Progress:
+class EtaColumn(TimeRemainingColumn):
+    """``eta 0:02:00``: the time remaining at the rounds' pace, blank until there is one."""
+
+    def render(self, task: Task) -> Text:
+        """The remaining time, labelled; nothing before a pace is known or once done."""
+        left = task.time_remaining
+        if left is None or task.finished:
+            return Text("")
+        return Text(f"eta {timedelta(seconds=int(left))}", style="progress.remaining")
+
+
+def progress_bar(console: Console, get_time: Callable[[], float] | None = None) -> Progress:
     """The bar `follow` shows: rounds done of the total, time taken and time remaining.
 
     The remaining time is rich's estimate from the pace of the rounds of the
@@ -73,12 +88,12 @@ def progress_bar(console: Console) -> Progress:
         BarColumn(bar_width=20),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
+        EtaColumn(),
         TextColumn("{task.description}"),
         console=console,
         transient=False,
         speed_estimate_period=300.0,
+        get_time=get_time,
     )
 
 

@@ -9,7 +9,6 @@ weights survive a restart of the quick start.
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -21,19 +20,19 @@ import redis
 
 from common.errors import StoreError
 from common.extras import MissingExtraError, require
+from common.local_cluster import default_state_dir as state_home
 from common.procs import spawn
 
 __all__ = ["EmbeddedRedis", "default_state_dir", "redis_server_binary"]
 
 
 def default_state_dir() -> Path:
-    """Where the quick start's Redis keeps its data: `$XDG_STATE_HOME/asteroid/redis`.
+    """Where the quick start's Redis keeps its data: `redis/` in the local cluster's state folder.
 
-    `XDG_STATE_HOME` defaults to `~/.local/state`, the XDG base-directory place
-    for state that should outlive a run but is not worth a backup.
+    That folder (`common.local_cluster.default_state_dir`, `$XDG_STATE_HOME/asteroid`)
+    also holds the lock and the cluster file of the `asteroid up` using it.
     """
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "asteroid" / "redis"
+    return state_home() / "redis"
 
 
 def _persistence(state_dir: Path | None) -> list[str]:

@@ -57,6 +57,20 @@ def _no_leftover_processes() -> Iterator[None]:
     kill_all()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The whole session's XDG_STATE_HOME is a folder of its own.
+
+    `asteroid up` and `demo` lock and describe their cluster there, and every CLI
+    command finds a running local cluster from there: a developer's cluster (or
+    one another test left) must not be found, locked or written to by a test.
+    Subprocesses inherit it; a test that needs its own sets it again.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("xdg-state")))
+        yield
+
+
 def _answers(url: str) -> str | None:
     """None if a Redis answers at `url`, else why not."""
     client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)

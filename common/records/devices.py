@@ -21,7 +21,7 @@ from common.store import Store
 if TYPE_CHECKING:  # the messages load torch; the CLI's `status` reads records without it
     from common.messages import Heartbeat
 
-__all__ = ["DeviceRecord", "forget_devices", "read_devices", "write_device"]
+__all__ = ["DeviceRecord", "forget_devices", "read_devices", "shown_state", "write_device"]
 
 
 class DeviceRecord(RecordModel):
@@ -43,6 +43,23 @@ class DeviceRecord(RecordModel):
     fingerprint: str = ""
     data_addr: str = ""
     host: str = ""
+
+
+def shown_state(d: DeviceRecord, now: float, silent_s: float, stale_s: float) -> str:
+    """The state to show for `d` at `now`: its heartbeat's, unless that is too old to trust.
+
+    A record outlives its last heartbeat by the coordinator's expiry and a grace
+    (and a Redis restarted from its append-only file brings back whatever was
+    written before), so "ready" there may describe a device long gone. Silent
+    for longer than `silent_s` (when the coordinator starts suspecting a worker)
+    it is "silent"; beyond `stale_s` (the expiry, when it is forgotten) "stale".
+    """
+    age = None if d.seen is None else now - d.seen
+    if age is None or age > stale_s:
+        return "stale"
+    if age > silent_s:
+        return "silent"
+    return d.state or "?"
 
 
 def write_device(store: Store, hb: Heartbeat, seen: float, ttl_s: float) -> None:

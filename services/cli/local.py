@@ -5,8 +5,11 @@ training one job); `demo` does the same for the example job and then
 reports: the plan, where each stage's time went, measured throughput next
 to the simulator's, the timeline picture and the exported weights. Either
 way every child process is stopped on the way out. The embedded Redis keeps
-its append-only file in a state directory, so what a run committed is still
-there when the next one starts.
+its append-only file in a state folder, so what a run committed is still
+there when the next one starts. While it runs, the command holds that
+folder's lock and says in its cluster file where the cluster is
+(`common.local_cluster`): every other CLI command finds it from there, and a
+second `up` on the same folder refuses instead of loading the live AOF.
 
 Imports that pull in torch wait inside the commands, so `asteroid --help`
 stays quick on a small device.
@@ -15,14 +18,23 @@ stays quick on a small device.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from pydantic import ValidationError
 
-from common.embedded_redis import EmbeddedRedis, default_state_dir
+from common.embedded_redis import EmbeddedRedis
+from common.errors import AsteroidError, ConfigError, validation_message
+from common.local_cluster import (
+    LocalCluster,
+    claim_state_dir,
+    default_state_dir,
+    tcp_listening,
+)
 from common.secrets import mask_url
 from services.cli.console import CliConsole, shown
 from services.cli.example_files import DEMO_JOB, example_path
@@ -35,7 +47,8 @@ if TYPE_CHECKING:
 
 __all__ = ["demo", "up"]
 
-console = CliConsole()
+console = CliConsole(soft_wrap=True)
+"""Never wraps a line: what `up` prints (addresses, errors) stays copyable in a log."""
 
 
 Workers = Annotated[int, typer.Option(min=1, max=16, help="Worker processes to start.")]
@@ -48,22 +61,92 @@ Cluster = Annotated[str, typer.Option(help="Key prefix of this cluster in Redis.
 StateDir = Annotated[
     Path | None,
     typer.Option(
-        help="Folder for the embedded Redis's append-only file "
-        "(default $XDG_STATE_HOME/asteroid/redis); unused with --redis-url."
+        help="This cluster's state folder: its lock, cluster.json (where other commands find "
+        "it) and the embedded Redis's append-only file in redis/ (default "
+        "$XDG_STATE_HOME/asteroid). One running cluster per folder."
     ),
 ]
+LISTEN_PATIENCE_S = 60.0
+"""Longest wait for the coordinator to listen before the cluster counts as up."""
 
 
 @contextlib.contextmanager
-def _redis(redis_url: str | None, state_dir: Path | None) -> Iterator[str]:
-    """The Redis URL to use: `redis_url`, else an embedded Redis persisting to `state_dir`."""
+def _redis(redis_url: str | None, folder: Path) -> Iterator[str]:
+    """The Redis URL to use: `redis_url`, else an embedded Redis persisting to `folder`/redis."""
     if redis_url is not None:
         yield redis_url
         return
-    folder = state_dir or default_state_dir()
-    with EmbeddedRedis(state_dir=folder) as server:
-        console.print(f"embedded Redis keeps its data in {folder}/")
+    with EmbeddedRedis(state_dir=folder / "redis") as server:
+        console.print(f"embedded Redis keeps its data in {folder / 'redis'}/")
         yield server.url
+
+
+def _wait_listening(stack: LocalStack) -> None:
+    """Return once the coordinator accepts connections; a service that died raises."""
+    deadline = time.monotonic() + LISTEN_PATIENCE_S
+    while not tcp_listening(stack.coordinator, 0.5):
+        stack.check()
+        if STOP.is_set():
+            raise KeyboardInterrupt
+        if time.monotonic() > deadline:
+            raise AsteroidError(
+                f"the coordinator did not listen at {stack.coordinator} within "
+                f"{LISTEN_PATIENCE_S:.0f} s:\n{stack.tail('coordinator')}"
+            )
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _local_cluster(
+    workers: int,
+    logs: Path,
+    redis_url: str | None,
+    cluster: str,
+    threads: int,
+    state_dir: Path | None,
+) -> Iterator[LocalStack]:
+    """A running stack that owns `state_dir` (locked) and says where it is in its cluster file.
+
+    The lock comes first: a second `up` on the folder must refuse before its
+    Redis loads the first one's append-only file.
+    """
+    folder = state_dir or default_state_dir()
+    with (
+        claim_state_dir(folder) as claim,
+        _redis(redis_url, folder) as url,
+        LocalStack(workers, logs, url, cluster, threads) as stack,
+    ):
+        _wait_listening(stack)
+        try:
+            here = LocalCluster(
+                coordinator=stack.coordinator,
+                redis_url=stack.redis_url,
+                cluster=stack.cluster,
+                pid=os.getpid(),
+                state_dir=folder,
+                started_at=time.time(),
+            )
+        except ValidationError as exc:  # a --cluster or --redis-url other commands cannot use
+            raise ConfigError(
+                f"other commands could not find this cluster: {validation_message(exc)}"
+            ) from None
+        claim.publish(here)
+        yield stack
+
+
+def _submit_hint(stack: LocalStack, state_dir: Path | None) -> str:
+    """How to submit to this cluster from another terminal, on one line.
+
+    With the default state folder every command finds the cluster by itself;
+    with another one it must be told where the cluster is.
+    """
+    if state_dir is None or state_dir.resolve() == default_state_dir().resolve():
+        return "submit with: asteroid train JOB.yaml (from another terminal; status too)"
+    return (
+        f"submit with: ASTEROID_COORDINATOR={stack.coordinator} "
+        f"ASTEROID_REDIS_URL={mask_url(stack.redis_url)} ASTEROID_CLUSTER={stack.cluster} "
+        "asteroid train JOB.yaml"
+    )
 
 
 def up(
@@ -81,18 +164,13 @@ def up(
 
     with foreground(console, "interrupted; every process of the cluster is stopped"):
         spec = load_checked(job, workers) if job else None
-        with (
-            _redis(redis_url, state_dir) as url,
-            LocalStack(workers, logs, url, cluster, threads) as stack,
-        ):
+        with _local_cluster(workers, logs, redis_url, cluster, threads, state_dir) as stack:
             redis_shown = mask_url(stack.redis_url)  # a --redis-url password stays off the screen
-            console.print(
+            console.print(  # one line each (the console never wraps): copyable from a log
                 f"cluster up: coordinator {stack.coordinator}, Redis {redis_shown}, "
-                f"{workers} workers; logs in {logs}/\n"
-                f"submit with: ASTEROID_COORDINATOR={stack.coordinator} "
-                f"ASTEROID_REDIS_URL={redis_shown} ASTEROID_CLUSTER={stack.cluster} "
-                "asteroid train JOB.yaml"
+                f"{workers} workers; logs in {logs}/"
             )
+            console.print(_submit_hint(stack, state_dir))
             if spec is not None:
                 view = submit_and_follow(
                     stack.coordinator, stack.redis_url, stack.cluster, spec, console
@@ -130,10 +208,7 @@ def demo(
     with foreground(console, "interrupted; every process of the demo is stopped"):
         with example_path(DEMO_JOB) if job is None else contextlib.nullcontext(job) as path:
             spec = load_checked(path, workers)
-        with (
-            _redis(redis_url, state_dir) as url,
-            LocalStack(workers, out / "logs", url, cluster, threads) as stack,
-        ):
+        with _local_cluster(workers, out / "logs", redis_url, cluster, threads, state_dir) as stack:
             console.print(
                 f"[bold]Asteroid-Edge demo[/bold]: Redis, coordinator, planner, profiler and "
                 f"{workers} workers as separate processes (logs in {out}/logs)"

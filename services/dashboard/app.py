@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from importlib.resources import files
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
@@ -28,6 +28,10 @@ __all__ = ["LOOPBACK_HOSTS", "create_app", "page_html"]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 """Host headers a loopback-bound dashboard answers."""
+
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+"""The classic text format `generate_latest` writes, under the name every scraper knows
+(newer prometheus_client releases call it 1.0.0)."""
 
 HEADERS = {
     "Cache-Control": "no-store",
@@ -58,7 +62,7 @@ def create_app(reader: ClusterReader, loopback_only: bool = True) -> Starlette:
 
     async def metrics(_: Request) -> Response:
         text = await run_in_threadpool(generate_latest, registry)
-        return Response(text, headers={**HEADERS, "Content-Type": CONTENT_TYPE_LATEST})
+        return Response(text, headers={**HEADERS, "Content-Type": TEXT_FORMAT})
 
     async def healthz(_: Request) -> Response:
         return Response("ok\n", media_type="text/plain", headers=HEADERS)

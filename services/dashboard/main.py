@@ -47,6 +47,14 @@ def _bound_port(server: Any, fallback: int) -> int:
     return fallback
 
 
+def _run(server: Any) -> None:
+    """Run uvicorn's server; its exit when it cannot listen is reported by the main thread."""
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's answer to an address it cannot bind (it logs why)
+        return
+
+
 def serve(
     settings: DashboardSettings, stop: Stop, on_listening: Callable[[str], None] | None = None
 ) -> ExitCode:
@@ -83,7 +91,7 @@ def serve(
     )
     server = uvicorn.Server(config)
     stop.on_stop(lambda _signal: setattr(server, "should_exit", True))
-    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread = threading.Thread(target=_run, args=(server,), name="http", daemon=True)
     thread.start()
     url = None
     try:

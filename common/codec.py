@@ -6,6 +6,10 @@ receives each tensor frame (large ones wrapped in place, small ones into a
 fresh tensor), so a hostile header cannot make us allocate 100 GB, ZeroMQ's
 MAXMSGSIZE bounds any frame, and a truncated or oversized frame is detected,
 drained and reported.
+
+torch is imported only when a message carries tensors: the CLI's requests and
+replies carry none, and a command that only asks a coordinator something should
+start in a fraction of a second, not wait seconds for torch.
 """
 
 from __future__ import annotations
@@ -16,15 +20,18 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
 import zmq
 from pydantic import ValidationError
 
 from common.errors import ProtocolError
 from common.messages import PROTOCOL_VERSION, Message, message_adapter
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DTYPES",
@@ -37,17 +44,17 @@ __all__ = [
     "send_message",
 ]
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
+DTYPES: dict[str, int] = {
+    "float32": 4,
+    "float64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "uint8": 1,
+    "bool": 1,
 }
-_NAMES = {v: k for k, v in DTYPES.items()}
+"""The dtypes a tensor frame may have, by wire name, with their bytes per element."""
 _IDS = itertools.count(1)
 ZERO_COPY_MIN_BYTES = 64 << 10
 NONCE_HEX = 16
@@ -84,6 +91,19 @@ class Envelope:
     replies go to; `peer` is this without its nonce."""
 
 
+@cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """The torch dtype of each wire name (imports torch: called only for tensor frames)."""
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPES}
+
+
+@cache
+def _wire_names() -> dict[torch.dtype, str]:
+    return {dtype: name for name, dtype in _torch_dtypes().items()}
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     """Bytes of a contiguous CPU tensor as a memoryview, without a copy."""
     flat = t.detach().contiguous().reshape(-1)
@@ -92,6 +112,8 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 def _bytes_of(flat: torch.Tensor) -> memoryview:
     """A writable byte view of a 1-D contiguous tensor's memory."""
+    import torch
+
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
@@ -106,10 +128,11 @@ def encode(
     metas = []
     bufs = []
     for t in tensors:
-        if t.dtype not in _NAMES:
+        name = _wire_names().get(t.dtype)
+        if name is None:
             raise ProtocolError(f"cannot send dtype {t.dtype}", sender)
         buf = _raw(t)
-        metas.append([_NAMES[t.dtype], list(t.shape), buf.nbytes])
+        metas.append([name, list(t.shape), buf.nbytes])
         bufs.append(buf)
     header = {
         "v": PROTOCOL_VERSION,
@@ -176,7 +199,7 @@ def _parse_header(raw: bytes, peer: str, limits: Limits) -> tuple[dict[str, Any]
     return header, msg
 
 
-def _describe(meta: Any, peer: str, limits: Limits) -> tuple[torch.dtype, list[int], int]:
+def _describe(meta: Any, peer: str, limits: Limits) -> tuple[str, list[int], int]:
     """Check a header's tensor descriptor: known dtype, sane shape, bounded size."""
     if not (isinstance(meta, list) and len(meta) == 3):
         raise ProtocolError(f"bad tensor descriptor {str(meta)[:80]}", peer)
@@ -189,24 +212,24 @@ def _describe(meta: Any, peer: str, limits: Limits) -> tuple[torch.dtype, list[i
         or not all(isinstance(d, int) and d >= 0 for d in shape)
     ):
         raise ProtocolError(f"bad tensor shape {str(shape)[:80]}", peer)
-    dtype = DTYPES[name]
-    expected = math.prod(shape) * dtype.itemsize
+    itemsize = DTYPES[name]
+    expected = math.prod(shape) * itemsize
     if not isinstance(nbytes, int) or nbytes != expected:
         raise ProtocolError(f"tensor of shape {shape} {name} announces {nbytes!r} bytes", peer)
     # An empty tensor's other dimensions still set its strides: bounded like its bytes,
     # so that no announced shape makes torch overflow.
-    span = math.prod(max(d, 1) for d in shape) * dtype.itemsize
+    span = math.prod(max(d, 1) for d in shape) * itemsize
     if max(nbytes, span) > limits.max_tensor_bytes:
         raise ProtocolError(
             f"tensor of shape {shape} {name} ({nbytes} bytes) exceeds the limit of "
             f"{limits.max_tensor_bytes} bytes",
             peer,
         )
-    return dtype, shape, nbytes
+    return name, shape, nbytes
 
 
 def _recv_tensor(
-    sock: zmq.Socket[Any], dtype: torch.dtype, shape: list[int], nbytes: int, peer: str
+    sock: zmq.Socket[Any], name: str, shape: list[int], nbytes: int, peer: str
 ) -> torch.Tensor:
     """Receive one tensor frame of exactly `nbytes`.
 
@@ -214,6 +237,9 @@ def _recv_tensor(
     their own, so copying again would halve throughput); small ones are
     received into a fresh tensor, which also guarantees alignment.
     """
+    import torch
+
+    dtype = _torch_dtypes()[name]
     if nbytes >= ZERO_COPY_MIN_BYTES:
         frame = sock.recv(copy=False)
         got = len(frame.buffer)
@@ -256,12 +282,12 @@ def recv_message(
             raise ProtocolError(f"bad tensor list {str(metas)[:80]}", peer)
         tensors: list[torch.Tensor] = []
         for meta in metas:
-            dtype, shape, nbytes = _describe(meta, peer, limits)
+            name, shape, nbytes = _describe(meta, peer, limits)
             if not sock.getsockopt(zmq.RCVMORE):
                 raise ProtocolError(
                     f"header announces {len(metas)} tensors, got {len(tensors)}", peer
                 )
-            tensors.append(_recv_tensor(sock, dtype, shape, nbytes, peer))
+            tensors.append(_recv_tensor(sock, name, shape, nbytes, peer))
         if sock.getsockopt(zmq.RCVMORE):
             raise ProtocolError(f"more frames than the {len(metas)} tensors announced", peer)
     except ProtocolError as exc:

@@ -5,7 +5,7 @@ fit is refused without allocating them; each model's ``count_*`` adds these up t
 way its builder stacks the modules, and a test holds each count to a real build.
 """
 
-__all__ = ["conv", "conv_bn", "layer_norm", "linear"]
+__all__ = ["conv", "conv_bn", "layer_norm", "linear", "make_divisible"]
 
 
 def linear(in_features: int, out_features: int, bias: bool = True) -> int:
@@ -29,3 +29,14 @@ def conv_bn(in_channels: int, out_channels: int, kernel: int, groups: int = 1) -
 def layer_norm(features: int) -> int:
     """Parameters of ``nn.LayerNorm(features)``."""
     return 2 * features
+
+
+def make_divisible(value: float, divisor: int = 8) -> int:
+    """Round a scaled channel count to a multiple of ``divisor``, as MobileNet does.
+
+    Never rounds down by more than 10%, so width scaling keeps its intended capacity.
+    """
+    rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
+    if rounded < 0.9 * value:
+        rounded += divisor
+    return rounded

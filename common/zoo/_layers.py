@@ -9,18 +9,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-__all__ = ["ConvBNAct", "PoolClassifier", "init_conv_bn", "make_divisible"]
-
-
-def make_divisible(value: float, divisor: int = 8) -> int:
-    """Round a scaled channel count to a multiple of ``divisor``, as MobileNet does.
-
-    Never rounds down by more than 10%, so width scaling keeps its intended capacity.
-    """
-    rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
-    if rounded < 0.9 * value:
-        rounded += divisor
-    return rounded
+__all__ = ["ConvBNAct", "PoolClassifier", "init_conv_bn"]
 
 
 class ConvBNAct(nn.Sequential):

@@ -1,21 +1,28 @@
-"""Model names, and deterministic construction of a `ZooModel` from a `ModelSpec`."""
+"""Deterministic construction of a `ZooModel` from a `ModelSpec`: the builders.
+
+Names and sizes need no torch (`common.zoo._sizes`); this module is what imports
+every model's layers, so `common.zoo` imports it only when a model is built.
+"""
 
 from collections.abc import Callable
 
 import torch
 
 from common.errors import ConfigError
-from common.zoo._types import ModelSpec, ZooModel
-from common.zoo.bert import build_bert_small, count_bert_small
-from common.zoo.cnn import build_small_cnn, count_small_cnn
-from common.zoo.custom import build_custom, check_custom_options, is_custom_name
-from common.zoo.efficientnet import build_efficientnet_b1, count_efficientnet_b1
-from common.zoo.fl_cnn import build_fl_cnn, count_fl_cnn
-from common.zoo.mlp import build_mlp, count_mlp
-from common.zoo.mobilenet import build_mobilenet_v2, count_mobilenet_v2
-from common.zoo.resnet import build_resnet18, build_resnet50, count_resnet18, count_resnet50
+from common.zoo._custom_build import build_custom
+from common.zoo._model import ZooModel
+from common.zoo._sizes import model_names
+from common.zoo._types import ModelSpec
+from common.zoo.bert import build_bert_small
+from common.zoo.cnn import build_small_cnn
+from common.zoo.custom import is_custom_name
+from common.zoo.efficientnet import build_efficientnet_b1
+from common.zoo.fl_cnn import build_fl_cnn
+from common.zoo.mlp import build_mlp
+from common.zoo.mobilenet import build_mobilenet_v2
+from common.zoo.resnet import build_resnet18, build_resnet50
 
-__all__ = ["build_model", "model_names", "parameter_count"]
+__all__ = ["build_model"]
 
 _BUILDERS: dict[str, Callable[[ModelSpec], ZooModel]] = {
     "bert_small": build_bert_small,
@@ -28,23 +35,7 @@ _BUILDERS: dict[str, Callable[[ModelSpec], ZooModel]] = {
     "small_cnn": build_small_cnn,
 }
 
-_COUNTERS: dict[str, Callable[[ModelSpec], int]] = {
-    "bert_small": count_bert_small,
-    "efficientnet_b1": count_efficientnet_b1,
-    "fl_cnn": count_fl_cnn,
-    "mlp": count_mlp,
-    "mobilenet_v2": count_mobilenet_v2,
-    "resnet18": count_resnet18,
-    "resnet50": count_resnet50,
-    "small_cnn": count_small_cnn,
-}
-
 _MAX_SEED = 2**63 - 1
-
-
-def model_names() -> list[str]:
-    """Return the zoo's model names, sorted."""
-    return sorted(_BUILDERS)
 
 
 def _builder(spec: ModelSpec) -> Callable[[ModelSpec], ZooModel]:
@@ -57,26 +48,6 @@ def _builder(spec: ModelSpec) -> Callable[[ModelSpec], ZooModel]:
             f"unknown model name {spec.name!r}: expected one of {', '.join(model_names())} "
             "or 'package.module:factory'"
         ) from None
-
-
-def parameter_count(spec: ModelSpec) -> int | None:
-    """The parameters the spec's model would have, from its options alone; no build.
-
-    Checks every option against its ceiling on the way. A ``module:factory`` model's
-    size is known only by running its factory, so it gives None (its input options are
-    still checked, and no module is imported).
-
-    Raises:
-        ConfigError: Unknown model name, or an option of the wrong type or out of bounds.
-
-    """
-    if spec.num_classes < 1:
-        raise ConfigError(f"model {spec.name!r}: num_classes must be >= 1, got {spec.num_classes}")
-    if is_custom_name(spec.name):
-        check_custom_options(spec)
-        return None
-    _builder(spec)  # an unknown name fails here, with the list of names
-    return _COUNTERS[spec.name](spec)
 
 
 def build_model(spec: ModelSpec, seed: int) -> ZooModel:

@@ -11,10 +11,9 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from common.errors import ConfigError
-from common.zoo._count import layer_norm, linear
-from common.zoo._options import Options
-from common.zoo._types import InputSpec, ModelSpec, ZooModel
+from common.zoo._model import InputSpec, ZooModel
+from common.zoo._sizes import bert_options
+from common.zoo._types import ModelSpec
 
 __all__ = [
     "Embeddings",
@@ -22,7 +21,6 @@ __all__ = [
     "PoolerClassifier",
     "SelfAttention",
     "build_bert_small",
-    "count_bert_small",
 ]
 
 _LN_EPS = 1e-12  # BERT's LayerNorm epsilon
@@ -117,49 +115,14 @@ def _init_bert(layers: list[nn.Module]) -> None:
                 nn.init.zeros_(m.bias)
 
 
-_MAX_VOCAB = 1 << 20  # 4x the largest tokenizers in use (262144 ids)
-_MAX_SEQ_LEN = 1 << 16
-_MAX_HIDDEN = 1 << 14
-_MAX_LAYERS = 512
-_MAX_HEADS = 1024
-_MAX_FFN = 1 << 17
-
-
-def _options(spec: ModelSpec) -> tuple[int, int, int, int, int, int]:
-    """``(vocab_size, seq_len, hidden, layers, heads, ffn)``, each under its ceiling."""
-    opts = Options(spec, {"vocab_size", "seq_len", "hidden", "layers", "heads", "ffn"})
-    vocab_size = opts.get_int("vocab_size", 1000, maximum=_MAX_VOCAB)
-    seq_len = opts.get_int("seq_len", 64, maximum=_MAX_SEQ_LEN)
-    hidden = opts.get_int("hidden", 512, maximum=_MAX_HIDDEN)
-    depth = opts.get_int("layers", 4, maximum=_MAX_LAYERS)
-    heads = opts.get_int("heads", 8, maximum=_MAX_HEADS)
-    ffn = opts.get_int("ffn", 4 * hidden, maximum=_MAX_FFN)
-    if hidden % heads:
-        raise ConfigError(
-            f"model {spec.name!r}: options.hidden ({hidden}) must be divisible by "
-            f"options.heads ({heads})"
-        )
-    return vocab_size, seq_len, hidden, depth, heads, ffn
-
-
-def count_bert_small(spec: ModelSpec) -> int:
-    """The parameters `build_bert_small` would allocate, without allocating them."""
-    vocab_size, seq_len, hidden, depth, _, ffn = _options(spec)
-    embeddings = (vocab_size + seq_len) * hidden + layer_norm(hidden)
-    attention = 4 * linear(hidden, hidden) + layer_norm(hidden)
-    mlp = linear(hidden, ffn) + linear(ffn, hidden) + layer_norm(hidden)
-    head = linear(hidden, hidden) + linear(hidden, spec.num_classes)
-    return embeddings + depth * (attention + mlp) + head
-
-
 def build_bert_small(spec: ModelSpec) -> ZooModel:
     """Build embeddings, ``layers`` encoder layers and the pooler+classifier.
 
     Six layers at the defaults. Options: ``vocab_size`` (1000), ``seq_len`` (64),
     ``hidden`` (512), ``layers`` (4), ``heads`` (8), ``ffn`` (4 * hidden); each has a
-    ceiling (`_options`).
+    ceiling (`common.zoo._sizes.bert_options`).
     """
-    vocab_size, seq_len, hidden, depth, heads, ffn = _options(spec)
+    vocab_size, seq_len, hidden, depth, heads, ffn = bert_options(spec)
 
     layers: list[nn.Module] = [Embeddings(vocab_size, seq_len, hidden)]
     layers += [EncoderLayer(hidden, heads, ffn) for _ in range(depth)]

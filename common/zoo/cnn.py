@@ -12,28 +12,12 @@ from collections import OrderedDict
 
 from torch import nn
 
-from common.zoo._count import conv, linear
-from common.zoo._options import Options
-from common.zoo._types import IMAGE_INPUT, ModelSpec, ZooModel
+from common.zoo._model import IMAGE_INPUT, ZooModel
+from common.zoo._sizes import CNN_MAX_WIDTH as MAX_WIDTH
+from common.zoo._sizes import cnn_width
+from common.zoo._types import ModelSpec
 
-__all__ = ["MAX_WIDTH", "build_small_cnn", "count_small_cnn"]
-
-MAX_WIDTH = 4096
-"""Widest first conv (the last has 4x, the hidden layer 8x): 128x the default."""
-
-
-def _width(spec: ModelSpec) -> int:
-    return Options(spec, {"width"}).get_int("width", 32, maximum=MAX_WIDTH)
-
-
-def count_small_cnn(spec: ModelSpec) -> int:
-    """The parameters `build_small_cnn` would allocate, without allocating them."""
-    w = _width(spec)
-    channels, height, width = IMAGE_INPUT.shape
-    flat = 4 * w * (height // 8) * (width // 8)
-    convs = conv(channels, w, 3) + conv(w, w, 3) + conv(w, 2 * w, 3)
-    convs += conv(2 * w, 2 * w, 3) + conv(2 * w, 4 * w, 3)
-    return convs + linear(flat, 8 * w) + linear(8 * w, spec.num_classes)
+__all__ = ["MAX_WIDTH", "build_small_cnn"]
 
 
 def _conv(in_channels: int, out_channels: int, pool: bool) -> nn.Sequential:
@@ -54,7 +38,7 @@ def build_small_cnn(spec: ModelSpec) -> ZooModel:
     synthetic images max-pooling amplifies the noise and made training erratic.
     Options: ``width`` (first conv's channels, default 32, at most `MAX_WIDTH`).
     """
-    w = _width(spec)
+    w = cnn_width(spec)
     channels, height, width = IMAGE_INPUT.shape
     flat = 4 * w * (height // 8) * (width // 8)
     hidden = 8 * w

@@ -25,24 +25,24 @@ import importlib
 import math
 from collections.abc import Callable, Collection
 from types import ModuleType
-from typing import TypeVar
-
-import torch
-from torch import nn
+from typing import Literal, TypeVar
 
 from common.errors import ConfigError
 from common.zoo._options import Options
-from common.zoo._types import IMAGE_INPUT, InputSpec, ModelSpec, ZooModel, has_batchnorm
+from common.zoo._types import IMAGE_SHAPE, ModelSpec
 
 __all__ = [
     "MAX_INPUT_ELEMENTS",
     "MAX_VOCAB",
+    "USER_CODE_ERRORS",
+    "InputKind",
     "allowed_source",
-    "build_custom",
     "check_custom_options",
     "check_model_source",
     "import_user_module",
+    "input_options",
     "is_custom_name",
+    "load_factory",
     "model_factory",
 ]
 
@@ -57,6 +57,8 @@ _MAX_DIMS = 8
 _INPUT_OPTIONS = frozenset({"input_kind", "input_shape", "vocab_size"})
 
 _F = TypeVar("_F", bound=Callable[[], object])
+
+InputKind = Literal["image", "tokens"]
 
 _FACTORIES: dict[int, Callable[[], object]] = {}
 """Every callable declared with `model_factory`, by identity (and kept alive, so an id
@@ -85,7 +87,7 @@ def _is_factory(value: object) -> bool:
     return _FACTORIES.get(id(value)) is value
 
 
-_USER_CODE_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
+USER_CODE_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
 """What user code may raise that must not escape as such: ``sys.exit()`` in a factory
 (or in the module it imports) would otherwise stop the service that checks a job."""
 
@@ -139,11 +141,12 @@ def import_user_module(what: str, module_name: str) -> ModuleType:
     """Import allow-listed `module_name`; whatever its code raises is a ConfigError on `what`."""
     try:
         return importlib.import_module(module_name)
-    except _USER_CODE_ERRORS as exc:  # any import-time failure is a bad spec, not a crash
+    except USER_CODE_ERRORS as exc:  # any import-time failure is a bad spec, not a crash
         raise ConfigError(f"{what}: cannot import module {module_name!r}: {exc!r}") from exc
 
 
-def _load_factory(spec: ModelSpec) -> Callable[[], object]:
+def load_factory(spec: ModelSpec) -> Callable[[], object]:
+    """The declared factory ``spec.name`` names, from its allow-listed module; not called."""
     module_name, _, attr = spec.name.partition(":")
     if not module_name or not attr or ":" in attr:
         raise ConfigError(
@@ -171,10 +174,15 @@ def check_custom_options(spec: ModelSpec) -> None:
         ConfigError: Names the option, what it must be and what it is.
 
     """
-    _input_spec(spec)
+    input_options(spec)
 
 
-def _input_spec(spec: ModelSpec) -> InputSpec:
+def input_options(spec: ModelSpec) -> tuple[InputKind, tuple[int, ...], int | None]:
+    """``(kind, shape, vocab_size)`` of a custom model's input, from its options.
+
+    Plain values, so that a job is checked without torch; the builder turns them into
+    an `InputSpec` (`common.zoo._custom_build`).
+    """
     opts = Options(spec, _INPUT_OPTIONS)
     kind = opts.get_str("input_kind", "image")
     if kind not in ("image", "tokens"):
@@ -182,12 +190,11 @@ def _input_spec(spec: ModelSpec) -> InputSpec:
     if kind == "image":
         if opts.has("vocab_size"):
             raise opts.error("vocab_size", "absent for image input", opts.get_raw("vocab_size", 0))
-        if not opts.has("input_shape"):
-            return IMAGE_INPUT
-        return InputSpec(kind="image", shape=_parse_shape(opts), dtype=torch.float32)
+        shape = _parse_shape(opts) if opts.has("input_shape") else IMAGE_SHAPE
+        return "image", shape, None
     shape = _parse_shape(opts) if opts.has("input_shape") else (64,)
     vocab_size = opts.get_int("vocab_size", 1000, maximum=MAX_VOCAB)
-    return InputSpec(kind="tokens", shape=shape, dtype=torch.int64, vocab_size=vocab_size)
+    return "tokens", shape, vocab_size
 
 
 def _parse_shape(opts: Options) -> tuple[int, ...]:
@@ -210,77 +217,3 @@ def _parse_shape(opts: Options) -> tuple[int, ...]:
             raw,
         )
     return shape
-
-
-def _check_no_shared_parameters(spec: ModelSpec, layers: list[nn.Module]) -> None:
-    """Reject tied weights across layers: two stages cannot both own one tensor."""
-    owner: dict[int, int] = {}
-    for i, layer in enumerate(layers):
-        for p in layer.parameters():
-            j = owner.setdefault(id(p), i)
-            if j != i:
-                raise ConfigError(
-                    f"custom model {spec.name!r}: layers {j} and {i} share a parameter; "
-                    "each layer must own its parameters so layers can live on different devices"
-                )
-
-
-def _as_layers(result: object) -> list[nn.Module] | None:
-    """Return the layers of a Sequential or a sequence of modules, else None."""
-    if isinstance(result, nn.Sequential):
-        return list(result)
-    if isinstance(result, list | tuple) and all(isinstance(m, nn.Module) for m in result):
-        return list(result)
-    return None
-
-
-def build_custom(spec: ModelSpec) -> ZooModel:
-    """Import and call the factory named by ``spec.name`` and wrap what it returns.
-
-    The caller has already checked the module against the allow-list
-    (`check_model_source`); everything user code raises while it is imported, called
-    or its result inspected comes out as a ConfigError.
-
-    Raises:
-        ConfigError: The module or factory cannot be loaded, the factory fails, or it
-            returns something other than a ZooModel, an nn.Sequential or a non-empty
-            list/tuple of modules.
-
-    """
-    input_spec = _input_spec(spec)  # option errors surface before user code runs
-    factory = _load_factory(spec)
-    try:
-        result = factory()
-        return _wrap(spec, input_spec, result)
-    except ConfigError:
-        raise
-    except _USER_CODE_ERRORS as exc:  # the factory is user code; name the spec that ran it
-        raise ConfigError(f"custom model {spec.name!r}: factory raised {exc!r}") from exc
-
-
-def _wrap(spec: ModelSpec, input_spec: InputSpec, result: object) -> ZooModel:
-    """The ZooModel for what a factory returned; its modules' methods are user code too."""
-    if isinstance(result, ZooModel):
-        if spec.options:
-            raise ConfigError(
-                f"custom model {spec.name!r}: factory returned a ZooModel, which describes "
-                f"its own input, so options must be empty, got {sorted(spec.options)}"
-            )
-        if result.num_classes != spec.num_classes:
-            raise ConfigError(
-                f"custom model {spec.name!r}: num_classes is {spec.num_classes} but the "
-                f"factory's model has {result.num_classes}"
-            )
-        _check_no_shared_parameters(spec, result.layers)
-        return result
-
-    layers = _as_layers(result)
-    if layers is None:
-        raise ConfigError(
-            f"custom model {spec.name!r}: factory must return a ZooModel, an nn.Sequential "
-            f"or a list/tuple of nn.Module, got {type(result).__name__}"
-        )
-    if not layers:
-        raise ConfigError(f"custom model {spec.name!r}: factory returned no layers")
-    _check_no_shared_parameters(spec, layers)
-    return ZooModel(layers, input_spec, spec.num_classes, has_batchnorm(layers))

@@ -11,26 +11,16 @@ import math
 import torch
 from torch import nn
 
-from common.zoo._count import conv, conv_bn, linear
-from common.zoo._layers import ConvBNAct, PoolClassifier, init_conv_bn, make_divisible
+from common.zoo._count import make_divisible
+from common.zoo._layers import ConvBNAct, PoolClassifier, init_conv_bn
+from common.zoo._model import IMAGE_INPUT, ZooModel
 from common.zoo._options import Options
-from common.zoo._types import IMAGE_INPUT, ModelSpec, ZooModel
+from common.zoo._sizes import EFFICIENTNET_DEPTH_MULT as _DEPTH_MULT
+from common.zoo._sizes import EFFICIENTNET_STAGES as _STAGES
+from common.zoo._sizes import EFFICIENTNET_WIDTH_MULT as _WIDTH_MULT
+from common.zoo._types import ModelSpec
 
-__all__ = ["MBConv", "SqueezeExcitation", "build_efficientnet_b1", "count_efficientnet_b1"]
-
-_WIDTH_MULT = 1.0
-_DEPTH_MULT = 1.1
-
-# (expansion, kernel, first stride, output channels, B0 repeats), CIFAR strides.
-_STAGES: tuple[tuple[int, int, int, int, int], ...] = (
-    (1, 3, 1, 16, 1),
-    (6, 3, 1, 24, 2),
-    (6, 5, 2, 40, 2),
-    (6, 3, 2, 80, 3),
-    (6, 5, 1, 112, 3),
-    (6, 5, 2, 192, 4),
-    (6, 3, 1, 320, 1),
-)
+__all__ = ["MBConv", "SqueezeExcitation", "build_efficientnet_b1"]
 
 
 class SqueezeExcitation(nn.Module):
@@ -74,29 +64,6 @@ class MBConv(nn.Module):
         """Apply the block, adding the input back when the shapes match."""
         out: torch.Tensor = self.block(x)
         return x + out if self.use_residual else out
-
-
-def _count_block(in_channels: int, out_channels: int, kernel: int, expand: int) -> int:
-    hidden = make_divisible(in_channels * expand)
-    squeezed = max(1, in_channels // 4)
-    expansion = conv_bn(in_channels, hidden, 1) if hidden != in_channels else 0
-    depthwise = conv_bn(hidden, hidden, kernel, groups=hidden)
-    excitation = conv(hidden, squeezed, 1) + conv(squeezed, hidden, 1)
-    return expansion + depthwise + excitation + conv_bn(hidden, out_channels, 1)
-
-
-def count_efficientnet_b1(spec: ModelSpec) -> int:
-    """The parameters `build_efficientnet_b1` would allocate, without allocating them."""
-    Options(spec, set())
-    channels = make_divisible(32 * _WIDTH_MULT)
-    total = conv_bn(IMAGE_INPUT.shape[0], channels, 3)
-    for expand, kernel, _, c, repeats in _STAGES:
-        out_channels = make_divisible(c * _WIDTH_MULT)
-        for _ in range(math.ceil(repeats * _DEPTH_MULT)):
-            total += _count_block(channels, out_channels, kernel, expand)
-            channels = out_channels
-    total += conv_bn(channels, 4 * channels, 1)
-    return total + linear(4 * channels, spec.num_classes)
 
 
 def build_efficientnet_b1(spec: ModelSpec) -> ZooModel:

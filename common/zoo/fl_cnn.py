@@ -9,36 +9,11 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from common.zoo._count import conv, linear
-from common.zoo._options import Options
-from common.zoo._types import InputSpec, ModelSpec, ZooModel
+from common.zoo._model import InputSpec, ZooModel
+from common.zoo._sizes import fl_cnn_options
+from common.zoo._types import ModelSpec
 
-__all__ = ["build_fl_cnn", "count_fl_cnn"]
-
-_MAX_CHANNELS = 1024
-_MAX_SIZE = 1024
-_MAX_WIDTH = 4096
-_MAX_HIDDEN = 1 << 16
-
-
-def _options(spec: ModelSpec) -> tuple[int, int, int, int]:
-    """``(channels, size, width, hidden)``, each bounded far beyond FedAvg's CNN."""
-    opts = Options(spec, {"channels", "size", "width", "hidden"})
-    channels = opts.get_int("channels", 3, maximum=_MAX_CHANNELS)
-    size = opts.get_int("size", 32, minimum=4, maximum=_MAX_SIZE)
-    width = opts.get_int("width", 32, maximum=_MAX_WIDTH)
-    hidden = opts.get_int("hidden", 512, maximum=_MAX_HIDDEN)
-    if size % 4:
-        raise opts.error("size", "a multiple of 4 (two 2x2 poolings)", size)
-    return channels, size, width, hidden
-
-
-def count_fl_cnn(spec: ModelSpec) -> int:
-    """The parameters `build_fl_cnn` would allocate, without allocating them."""
-    channels, size, width, hidden = _options(spec)
-    flat = 2 * width * (size // 4) ** 2
-    convs = conv(channels, width, 5) + conv(width, 2 * width, 5)
-    return convs + linear(flat, hidden) + linear(hidden, spec.num_classes)
+__all__ = ["build_fl_cnn"]
 
 
 def _conv_block(in_channels: int, out_channels: int) -> nn.Sequential:
@@ -58,13 +33,13 @@ def build_fl_cnn(spec: ModelSpec) -> ZooModel:
     one-channel digits (``channels=1, size=8``) and 32x32 RGB CIFAR (the default).
     Options: ``channels`` (3), ``size`` (32, a multiple of 4), ``width`` (first conv's
     channels, 32; the second has twice as many), ``hidden`` (512), as in FedAvg's CNN;
-    each has a ceiling (`_options`).
+    each has a ceiling (`common.zoo._sizes.fl_cnn_options`).
 
     Raises:
         ConfigError: An unknown option, or ``size`` not a multiple of 4.
 
     """
-    channels, size, width, hidden = _options(spec)
+    channels, size, width, hidden = fl_cnn_options(spec)
     flat = 2 * width * (size // 4) ** 2
     layers: list[nn.Module] = [
         _conv_block(channels, width),

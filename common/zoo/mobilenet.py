@@ -8,26 +8,14 @@ shrinking to 1 px.
 import torch
 from torch import nn
 
-from common.zoo._count import conv_bn, linear
-from common.zoo._layers import ConvBNAct, PoolClassifier, init_conv_bn, make_divisible
-from common.zoo._options import Options
-from common.zoo._types import IMAGE_INPUT, ModelSpec, ZooModel
+from common.zoo._count import make_divisible
+from common.zoo._layers import ConvBNAct, PoolClassifier, init_conv_bn
+from common.zoo._model import IMAGE_INPUT, ZooModel
+from common.zoo._sizes import MOBILENET_MAX_WIDTH_MULT as MAX_WIDTH_MULT
+from common.zoo._sizes import MOBILENET_SETTINGS, mobilenet_width_mult
+from common.zoo._types import ModelSpec
 
-__all__ = ["MAX_WIDTH_MULT", "InvertedResidual", "build_mobilenet_v2", "count_mobilenet_v2"]
-
-MAX_WIDTH_MULT = 16.0
-"""Widest scaling: 16x (about 560 M parameters), far beyond the published 1.4."""
-
-# (expansion t, output channels c, repeats n, first stride s), CIFAR strides.
-_SETTINGS: tuple[tuple[int, int, int, int], ...] = (
-    (1, 16, 1, 1),
-    (6, 24, 2, 1),
-    (6, 32, 3, 2),
-    (6, 64, 4, 2),
-    (6, 96, 3, 1),
-    (6, 160, 3, 2),
-    (6, 320, 1, 1),
-)
+__all__ = ["MAX_WIDTH_MULT", "InvertedResidual", "build_mobilenet_v2"]
 
 
 class InvertedResidual(nn.Module):
@@ -52,43 +40,18 @@ class InvertedResidual(nn.Module):
         return x + out if self.use_residual else out
 
 
-def _width_mult(spec: ModelSpec) -> float:
-    return Options(spec, {"width_mult"}).get_float("width_mult", 1.0, maximum=MAX_WIDTH_MULT)
-
-
-def _count_block(in_channels: int, out_channels: int, expand: int) -> int:
-    hidden = round(in_channels * expand)
-    expansion = conv_bn(in_channels, hidden, 1) if expand != 1 else 0
-    return expansion + conv_bn(hidden, hidden, 3, groups=hidden) + conv_bn(hidden, out_channels, 1)
-
-
-def count_mobilenet_v2(spec: ModelSpec) -> int:
-    """The parameters `build_mobilenet_v2` would allocate, without allocating them."""
-    width_mult = _width_mult(spec)
-    channels = make_divisible(32 * width_mult)
-    last_channels = make_divisible(1280 * max(1.0, width_mult))
-    total = conv_bn(IMAGE_INPUT.shape[0], channels, 3)
-    for expand, c, repeats, _ in _SETTINGS:
-        out_channels = make_divisible(c * width_mult)
-        for _ in range(repeats):
-            total += _count_block(channels, out_channels, expand)
-            channels = out_channels
-    total += conv_bn(channels, last_channels, 1)
-    return total + linear(last_channels, spec.num_classes)
-
-
 def build_mobilenet_v2(spec: ModelSpec) -> ZooModel:
     """Build stem, 17 inverted residual blocks, the 1x1 head conv and the classifier.
 
     20 layers. Options: ``width_mult`` (default 1.0, at most `MAX_WIDTH_MULT`) scales
     every channel count.
     """
-    width_mult = _width_mult(spec)
+    width_mult = mobilenet_width_mult(spec)
     channels = make_divisible(32 * width_mult)
     last_channels = make_divisible(1280 * max(1.0, width_mult))
 
     layers: list[nn.Module] = [ConvBNAct(IMAGE_INPUT.shape[0], channels, 3, activation=nn.ReLU6)]
-    for expand, c, repeats, stride in _SETTINGS:
+    for expand, c, repeats, stride in MOBILENET_SETTINGS:
         out_channels = make_divisible(c * width_mult)
         for i in range(repeats):
             layers.append(InvertedResidual(channels, out_channels, stride if i == 0 else 1, expand))

@@ -7,23 +7,21 @@ CIFAR adaptation: a 3x3 stride-1 stem and no max-pool, so the four stages see
 import torch
 from torch import nn
 
-from common.zoo._count import conv_bn, linear
 from common.zoo._layers import ConvBNAct, PoolClassifier, init_conv_bn
+from common.zoo._model import IMAGE_INPUT, ZooModel
 from common.zoo._options import Options
-from common.zoo._types import IMAGE_INPUT, ModelSpec, ZooModel
+from common.zoo._sizes import BASIC_EXPANSION, BOTTLENECK_EXPANSION
+from common.zoo._sizes import RESNET18 as _RESNET18
+from common.zoo._sizes import RESNET50 as _RESNET50
+from common.zoo._sizes import RESNET_PLANES as _PLANES
+from common.zoo._types import ModelSpec
 
 __all__ = [
     "BasicBlock",
     "Bottleneck",
     "build_resnet18",
     "build_resnet50",
-    "count_resnet18",
-    "count_resnet50",
 ]
-
-_PLANES = (64, 128, 256, 512)
-_RESNET18 = (2, 2, 2, 2)
-_RESNET50 = (3, 4, 6, 3)
 
 
 def _shortcut(in_channels: int, out_channels: int, stride: int) -> nn.Module | None:
@@ -36,7 +34,7 @@ def _shortcut(in_channels: int, out_channels: int, stride: int) -> nn.Module | N
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with an identity (or projected) skip."""
 
-    expansion = 1
+    expansion = BASIC_EXPANSION
 
     def __init__(self, in_channels: int, planes: int, stride: int) -> None:
         super().__init__()
@@ -55,7 +53,7 @@ class BasicBlock(nn.Module):
 class Bottleneck(nn.Module):
     """1x1 reduce, 3x3 (strided, as in ResNet v1.5), 1x1 expand by 4, with a skip."""
 
-    expansion = 4
+    expansion = BOTTLENECK_EXPANSION
 
     def __init__(self, in_channels: int, planes: int, stride: int) -> None:
         super().__init__()
@@ -87,39 +85,6 @@ def _build(
     layers.append(PoolClassifier(channels, spec.num_classes))
     init_conv_bn(layers)
     return ZooModel(layers, IMAGE_INPUT, spec.num_classes, has_batchnorm=True)
-
-
-def _count_block(bottleneck: bool, in_channels: int, planes: int, stride: int) -> int:
-    out_channels = planes * (Bottleneck if bottleneck else BasicBlock).expansion
-    if bottleneck:
-        body = conv_bn(in_channels, planes, 1) + conv_bn(planes, planes, 3)
-        body += conv_bn(planes, out_channels, 1)
-    else:
-        body = conv_bn(in_channels, planes, 3) + conv_bn(planes, planes, 3)
-    if stride != 1 or in_channels != out_channels:
-        body += conv_bn(in_channels, out_channels, 1)
-    return body
-
-
-def _count(spec: ModelSpec, bottleneck: bool, repeats: tuple[int, ...]) -> int:
-    Options(spec, set())
-    total = conv_bn(IMAGE_INPUT.shape[0], 64, 3)
-    channels = 64
-    for stage, (planes, n) in enumerate(zip(_PLANES, repeats, strict=True)):
-        for i in range(n):
-            total += _count_block(bottleneck, channels, planes, 2 if stage > 0 and i == 0 else 1)
-            channels = planes * (Bottleneck if bottleneck else BasicBlock).expansion
-    return total + linear(channels, spec.num_classes)
-
-
-def count_resnet18(spec: ModelSpec) -> int:
-    """The parameters `build_resnet18` would allocate, without allocating them."""
-    return _count(spec, False, _RESNET18)
-
-
-def count_resnet50(spec: ModelSpec) -> int:
-    """The parameters `build_resnet50` would allocate, without allocating them."""
-    return _count(spec, True, _RESNET50)
 
 
 def build_resnet18(spec: ModelSpec) -> ZooModel:

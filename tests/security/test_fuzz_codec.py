@@ -155,7 +155,7 @@ def descriptors(draw: st.DrawFn) -> Any:
     # empty tensors whose other dimensions are absurd announce 0 bytes, honestly
     absurd = st.sampled_from([[0, 2**64 - 1], [0, 2**63], [0, 2**62, 2**62], [2**40, 0]])
     shape = draw(st.one_of(st.lists(st.one_of(st.integers(0, 9), INTS), max_size=10), absurd))
-    itemsize = DTYPES[dtype].itemsize if isinstance(dtype, str) and dtype in DTYPES else 8
+    itemsize = DTYPES[dtype] if isinstance(dtype, str) and dtype in DTYPES else 8
     n = 1
     for d in shape:
         n *= d if isinstance(d, int) else 1

@@ -9,14 +9,18 @@ it is started on are checked too.
 from __future__ import annotations
 
 import io
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import structlog
 from rich.console import Console
 
 from common.job import load_job
+from common.logging import configure_logging, get_logger
 from common.records.events import EventEntry
 from common.records.jobs import JobRecord, Waiting, write_job
 from common.records.metrics import MetricsEntry
@@ -153,3 +157,17 @@ def test_the_example_job_fits_the_cluster_it_is_started_on() -> None:
         # the demo starts its workers with the job: it waits for all of them
         assert load_checked(path, 3).min_workers == 3
         assert load_checked(path, 5).min_workers == 5
+
+
+def test_a_service_line_for_a_person_names_no_source_location(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # configure_logging installs masking exception hooks; put the originals back afterwards
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    configure_logging("info", "console", job="demo")
+    get_logger("follow-test").info("job state", state="running")
+    structlog.reset_defaults()
+    line = capsys.readouterr().err.strip()
+    assert "job state" in line and "state=running" in line and "job=demo" in line, line
+    assert ".py" not in line and "follow-test" not in line, line

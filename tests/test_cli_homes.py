@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from common.job import JobSpec
+from common.job import DigitsData, JobSpec
 from common.store import Store
 from services.cli.homes import FEDERATION_PREFIX, fitted_files, home_prefix
 
@@ -38,6 +38,7 @@ def test_the_examples_are_fitted_to_the_homes_started() -> None:
         assert job.federation is not None
         assert job.federation.home == h and job.federation.address == "tcp://127.0.0.1:7000"
         assert job.federation.federation_id == spec["federation_id"]
+        assert isinstance(job.dataset, DigitsData)
         assert job.dataset.homes == 3 and job.dataset.home == h
     assert home_prefix(1) == "home-1"
 

@@ -157,12 +157,23 @@ def up(
     redis_url: RedisUrl = None,
     cluster: Cluster = "local",
     state_dir: StateDir = None,
+    homes: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Run a federation of this many homes instead (the shipped federation "
+            "example; each home a coordinator and --workers workers on its own prefix).",
+        ),
+    ] = None,
 ) -> None:
     """Run a whole local cluster in the foreground until Ctrl-C (or until --job ends)."""
     from services.cli.follow import load_checked, submit_and_follow
     from services.cli.jobs import view_exit_code
 
     with foreground(console, "interrupted; every process of the cluster is stopped"):
+        if homes is not None:
+            _up_homes(homes, workers, threads, logs, state_dir, job, redis_url)
+            return
         spec = load_checked(job, workers) if job else None
         with _local_cluster(workers, logs, redis_url, cluster, threads, state_dir) as stack:
             redis_shown = mask_url(stack.redis_url)  # a --redis-url password stays off the screen
@@ -180,6 +191,32 @@ def up(
             while not STOP.is_set():
                 stack.check()
                 time.sleep(0.5)
+
+
+def _up_homes(
+    homes: int,
+    workers: int,
+    threads: int,
+    logs: Path,
+    state_dir: Path | None,
+    job: Path | None,
+    redis_url: str | None,
+) -> None:
+    """`up --homes N`: the federation of `services.cli.homes`, holding the state folder.
+
+    Its embedded Redis keeps its data where a plain `up`'s would (STATE/redis),
+    so the lock keeps the two from sharing a live append-only file.
+    """
+    from services.cli.homes import up_homes
+
+    if job is not None or redis_url is not None:
+        raise ConfigError(
+            "--homes runs the shipped federation example on its own Redis: "
+            "--job and --redis-url do not go with it"
+        )
+    folder = state_dir or default_state_dir()
+    with claim_state_dir(folder):
+        up_homes(homes, workers, threads, logs, folder / "redis")
 
 
 def demo(

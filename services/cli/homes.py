@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,7 @@ def up_homes(
     state_dir: Path | None,
     *,
     updates: int | None = None,
+    publish: Callable[[LocalStack], object] | None = None,
 ) -> None:
     """Run the example federation with `homes` homes of `workers` workers until Ctrl-C.
 
@@ -134,6 +136,8 @@ def up_homes(
         state_dir: Where Redis keeps its data (None: in memory); every start runs
             the federation afresh either way (`replace`).
         updates: Global versions to run (None: the example's).
+        publish: Called with home 0's stack once every home has its job, so that
+            `asteroid up` can tell other commands where the cluster is (its cluster file).
 
     Raises:
         ConfigError: A bad count, or a home refused its job.
@@ -165,6 +169,8 @@ def up_homes(
             homes_up.append(stack.enter_context(home))
         for home, path in zip(homes_up, job_files, strict=True):
             _submit(home, path, workers)
+        if publish is not None:
+            publish(homes_up[0])
         _tell(homes, workers, redis.url, address, logs, fid)
         store = stack.enter_context(contextlib.closing(Store(redis.url, FEDERATION_PREFIX)))
         last = ""

@@ -21,9 +21,9 @@ from common.errors import ConfigError, PlanError, StoreError
 from common.exit_codes import ExitCode
 from common.plan import Plan
 from common.profile import ClusterSpec, Profile
-from common.settings import CommonSettings
 from common.store import Store
-from services.cli.console import CliConsole, shown
+from services.cli.console import CliConsole
+from services.cli.failure import fail
 from services.cli.jobs import RedisOpt
 from services.cli.plan_profiles import (
     HERE,
@@ -53,19 +53,18 @@ def _load_cluster(path: Path) -> ClusterSpec:
         raise ConfigError(f"cluster {path} is invalid: {exc}") from exc
 
 
-def _settings(redis_url: str | None) -> CommonSettings:
-    """Where Redis is: the option, else ASTEROID_*, else the running local cluster."""
-    try:
-        from common.local_cluster import resolve_settings
-    except ImportError:  # the local cluster's discovery is optional here
-        settings = CommonSettings()
-        return settings.model_copy(update={"redis_url": redis_url}) if redis_url else settings
-    return resolve_settings(redis_url=redis_url)
-
-
 def _open_store(redis_url: str | None) -> Store | None:
-    """A Store on the cluster's Redis when one answers within seconds, else None."""
-    settings = _settings(redis_url)
+    """A Store on the cluster's Redis when one answers within seconds, else None.
+
+    Where: the option, else ASTEROID_*, else the running local cluster. Only stored
+    profiles need it, so a cluster that cannot be found means: none listed.
+    """
+    from common.local_cluster import resolve_settings
+
+    try:
+        settings = resolve_settings(redis_url=redis_url)
+    except ConfigError:
+        return None
     store = Store(settings.redis_url, settings.cluster, timeout_s=5.0, connect_timeout_s=2.0)
     try:
         store.ping()
@@ -208,11 +207,9 @@ def plan(
         cost = CostModel(profiles, spec)
         made = get_planner(planner).plan(cost, global_batch, microbatches)
     except (ConfigError, PlanError) as exc:
-        console.print(f"[red]error:[/red] {shown(exc)}", soft_wrap=True)
-        raise typer.Exit(ExitCode.CONFIG) from exc
+        raise fail(exc, ExitCode.CONFIG) from exc  # one line on stderr
     except StoreError as exc:
-        console.print(f"[red]error:[/red] {shown(exc)}", soft_wrap=True)
-        raise typer.Exit(ExitCode.REDIS_UNAVAILABLE) from exc
+        raise fail(exc, ExitCode.UNREACHABLE) from exc
     sim = simulate(made, cost)
     console.print(plan_table(made, sim, cost))
     console.print(

@@ -44,6 +44,27 @@ def report():
 
 sys.meta_path.insert(0, Watch())
 atexit.register(report)
+if kind == "answered":  # a coordinator that answers one infer request (logits, no tensors)
+    import threading
+
+    import zmq
+
+    from common.codec import Limits, recv_message, send_message
+    from common.serving_messages import InferReply
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer():
+        if router.poll(60_000):
+            _, env = recv_message(router, Limits(), routed=True)
+            reply = InferReply(
+                serve_id=env.msg.serve_id, request=1, ok=True, tokens=[7], logits=[0.5, 1.5]
+            )
+            send_message(router, reply, "coordinator", route=env.route)
+
+    threading.Thread(target=answer, daemon=True).start()
+    args = [a.replace("COORDINATOR", f"tcp://127.0.0.1:{port}") for a in args]
 if kind == "module":
     import importlib
 
@@ -105,6 +126,14 @@ def test_a_command_that_only_asks_does_not_import_torch(tmp_path: Path, args: li
     command = " ".join(args)
     assert report["torch"] is False, f"asteroid {command} imported torch:\n  {_chain(report)}"
     assert not any(words in output for words in _BAD_ARGUMENTS), f"refused arguments\n{output}"
+
+
+def test_infer_with_an_answer_does_not_import_torch(tmp_path: Path) -> None:
+    """The answer's logits come as numbers in the message, so reading it needs no torch."""
+    args = ["infer", "serve-x", "--ids", "5,17,3", "--coordinator", "COORDINATOR", *QUICK]
+    report, output = _run(tmp_path, "answered", "asteroid", [*args[:-1], "30"])
+    assert "argmax 1" in output, f"the answer was not printed\n{output}"
+    assert report["torch"] is False, f"asteroid infer imported torch:\n  {_chain(report)}"
 
 
 def test_status_of_an_empty_cluster_does_not_import_torch(tmp_path: Path, redis_url: str) -> None:

@@ -27,8 +27,8 @@ from types import FrameType
 from typing import TypeVar
 
 from common.cli_args import parse_settings
-from common.errors import AsteroidError, ConfigError
-from common.exit_codes import ExitCode
+from common.errors import AsteroidError
+from common.exit_codes import ExitCode, exit_code_of
 from common.logging import configure_logging, get_logger
 from common.secrets import mask_text
 from common.settings import CommonSettings
@@ -104,23 +104,6 @@ class Stop:
             callback(name)
         if self._interrupting:
             raise KeyboardInterrupt(name)
-
-
-def exit_code_of(exc: BaseException) -> ExitCode:
-    """The documented exit code for an error that ended a service's body.
-
-    A setting, spec or missing extra (ConfigError, MissingExtraError among
-    them) is the person's to fix: CONFIG. Any other error raised on purpose
-    means the work could not finish: JOB_FAILED. A signal's KeyboardInterrupt
-    is INTERRUPTED; anything else is a bug: FAILED.
-    """
-    if isinstance(exc, KeyboardInterrupt):
-        return ExitCode.INTERRUPTED
-    if isinstance(exc, ConfigError):
-        return ExitCode.CONFIG
-    if isinstance(exc, AsteroidError):
-        return ExitCode.JOB_FAILED
-    return ExitCode.FAILED
 
 
 def run_service(

@@ -24,6 +24,7 @@ __all__ = [
     "StoreError",
     "StoreRefused",
     "StoreUnavailable",
+    "Unreachable",
     "unreachable_for",
     "validation_message",
 ]
@@ -81,8 +82,17 @@ class StoreError(AsteroidError):
     """Shared state in Redis is missing or inconsistent."""
 
 
-class StoreUnavailable(StoreError):
-    """Redis stayed unreachable for longer than the service was configured to wait."""
+class Unreachable(AsteroidError):
+    """The cluster did not answer: Redis or a coordinator, not there or not answering in time.
+
+    One base for both, so every command and service maps it to one exit code
+    (`common.exit_codes.ExitCode.UNREACHABLE`): the fix is the same (start it,
+    or point the address at it), whichever of the two it was.
+    """
+
+
+class StoreUnavailable(StoreError, Unreachable):
+    """Redis did not answer (or stayed unreachable longer than the service waits)."""
 
 
 def unreachable_for(where: str, waited_s: float, what: str, patience_s: float, error: str) -> str:

@@ -27,7 +27,7 @@ import zmq
 
 from common.codec import Limits, encode, recv_message
 from common.curve import COORDINATOR, CurveKeys, is_loopback
-from common.errors import AsteroidError, ConfigError, ProtocolError
+from common.errors import ConfigError, ProtocolError, Unreachable
 from common.logging import get_logger
 from common.messages import CLUSTER_PATTERN, LocateRedis, RedisLocation
 from common.secrets import mask_url
@@ -61,7 +61,7 @@ _SENT_KEPT = 64
 """Nonces of unanswered requests kept: any of their answers will do."""
 
 
-class CoordinatorUnreachable(AsteroidError):
+class CoordinatorUnreachable(Unreachable):
     """No coordinator answered where Redis is, in the time allowed."""
 
 

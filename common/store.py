@@ -164,7 +164,7 @@ class Store:
         try:
             self.r.ping()
         except redis.RedisError as exc:
-            raise StoreError(
+            raise StoreUnavailable(
                 f"Redis at {self.where} does not answer: {mask_text(str(exc))}"
             ) from exc
 

@@ -48,9 +48,9 @@ def _rendered(checks: list[Check]) -> str:
 # --- the report ------------------------------------------------------------------------
 
 
-def test_only_a_problem_makes_the_exit_code_one() -> None:
+def test_only_a_problem_makes_the_exit_code_device_failed() -> None:
     assert exit_code(HEALTHY) == ExitCode.OK == 0
-    assert exit_code(SICK) == ExitCode.FAILED == 1
+    assert exit_code(SICK) == ExitCode.DEVICE_FAILED == 5
     assert exit_code([]) == ExitCode.OK
 
 
@@ -67,7 +67,7 @@ def test_the_table_has_a_row_per_check_then_each_fix_then_the_verdict() -> None:
     # the extra's brackets are text, not markup
     assert "fix: pip install 'asteroid-edge[plots]'" in text
     assert "PROBLEM redis: no answer at redis://h:6379/0\n  fix: start Redis" in text
-    assert lines[-1] == "1 problem (exit code 1)"
+    assert lines[-1] == "1 problem (exit code 5)"
     assert _rendered(HEALTHY).splitlines()[-1] == "healthy: this device is ready to join"
 
 
@@ -251,7 +251,7 @@ def test_missing_extras_are_a_note_with_the_install_command() -> None:
     row = extras_check(lambda module: None if module in ("matplotlib", "sklearn") else object())
     assert row.status == "note"
     assert row.data == {
-        "installed": ["data", "gateway", "quickstart", "serve"],
+        "installed": ["dashboard", "data", "gateway", "quickstart", "serve"],
         "missing": ["fl", "plots"],
     }
     assert row.fix == "only if you want them: pip install 'asteroid-edge[fl,plots]'"

@@ -15,14 +15,14 @@ import zmq
 
 from common.codec import Envelope, Limits, recv_message, send_message
 from common.curve import load_keys
-from common.errors import AsteroidError, ProtocolError
+from common.errors import AsteroidError, ProtocolError, Unreachable
 from common.messages import JobReply, Message
 from services.lib.infer_client import operator_dealer
 
 __all__ = ["CoordinatorUnreachable", "RequestRefused", "ask_coordinator", "request"]
 
 
-class CoordinatorUnreachable(AsteroidError):
+class CoordinatorUnreachable(Unreachable):
     """No reply from the coordinator in time."""
 
 

@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
-from common.secrets import mask_text
 from common.version import VERSION
 from services.cli.console import CliConsole
+from services.cli.failure import fail
 from services.deploy.apply import Deployment, operator_env, read_key_set
 from services.deploy.inventory import load_inventory
 
@@ -67,9 +66,8 @@ def _deployment(inventory: Path, keys: Path, tag: str, redis_acl: Path) -> Deplo
 
 
 def _fail(exc: AsteroidError) -> typer.Exit:
-    code = ExitCode.CONFIG if isinstance(exc, ConfigError) else ExitCode.DEVICE_FAILED
-    console.print(f"[red]error:[/red] {escape(mask_text(str(exc)))}")
-    return typer.Exit(int(code))
+    """One line on stderr; CONFIG for bad input, else DEVICE_FAILED (a device's step)."""
+    return fail(exc, ExitCode.CONFIG if isinstance(exc, ConfigError) else ExitCode.DEVICE_FAILED)
 
 
 @app.command()

@@ -3,7 +3,8 @@
 SIGINT and SIGTERM both raise KeyboardInterrupt (the command's context
 managers then stop every child) and set `STOP`, which loops also check:
 Python drops a KeyboardInterrupt raised while a subprocess is being forked,
-so a Ctrl-C landing then would otherwise be lost. Errors become exit codes.
+so a Ctrl-C landing then would otherwise be lost. Errors become the exit-code
+table's codes (`services.cli.failure`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from collections.abc import Iterator
 import typer
 from rich.console import Console
 
-from common.errors import AsteroidError, ConfigError
+from common.errors import AsteroidError
 from common.exit_codes import ExitCode
-from services.cli.console import shown
+from services.cli.failure import fail
 
 __all__ = ["STOP", "foreground"]
 
@@ -41,9 +42,5 @@ def foreground(console: Console, stopped: str) -> Iterator[None]:
     except KeyboardInterrupt:
         console.print(stopped)
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {shown(exc)}")
-        raise typer.Exit(int(ExitCode.CONFIG)) from exc
-    except AsteroidError as exc:
-        console.print(f"[red]error:[/red] {shown(exc)}")
-        raise typer.Exit(int(ExitCode.JOB_FAILED)) from exc
+    except AsteroidError as exc:  # one line on stderr, the exit-code table's code
+        raise fail(exc) from exc

@@ -29,6 +29,7 @@ from common.entry_points import service_command
 from common.errors import ConfigError
 from common.exit_codes import ExitCode
 from common.settings import AcceleratorChoice
+from services.cli.failure import fail
 
 __all__ = ["Outcome", "child_commands", "join", "outcome"]
 
@@ -185,6 +186,10 @@ def join(
     from the coordinator. Exit codes: 0 the coordinator shut the worker down,
     130 stopped, else the code of the child that died.
     """
+    if keys is not None and not keys.is_dir():  # before any child starts and says it too
+        raise fail(
+            ConfigError(f"--keys {keys}: no such key set folder (made by `asteroid keys init`)")
+        )
     try:
         cmds = child_commands(
             service_command,
@@ -197,8 +202,7 @@ def join(
             accelerator,
         )
     except ConfigError as exc:  # not installed here
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(int(ExitCode.CONFIG)) from exc
+        raise fail(exc) from exc
     stopping = threading.Event()
     procs: dict[str, subprocess.Popen[bytes]] = {}
 

@@ -14,14 +14,14 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from common.errors import AsteroidError, ConfigError, StoreError
+from common.errors import AsteroidError, ConfigError, StoreError, StoreUnavailable
 from common.exit_codes import ExitCode
 from common.metrics_export import scalars
 from common.metrics_files import CsvLog, EventLog, csv_path, events_dir
 from common.records.jobs import read_job
 from common.records.metrics import read_metrics
-from common.secrets import mask_text
 from common.store import OUTAGE, Store
+from services.cli import failure
 from services.cli.console import CliConsole
 from services.cli.jobs import ClusterOpt, RedisOpt, store_from
 
@@ -33,10 +33,12 @@ FORMATS = ("csv", "tensorboard")
 console = CliConsole()
 
 
-def fail(exc: Exception, code: ExitCode = ExitCode.CONFIG) -> typer.Exit:
-    """Print `exc` on one line (credentials hidden); the exit to raise."""
-    console.print(f"[red]error:[/red] {escape(mask_text(str(exc)))}", soft_wrap=True)
-    return typer.Exit(int(code))
+def fail(exc: Exception, code: ExitCode | None = None) -> typer.Exit:
+    """Print `exc` on one line of stderr (credentials hidden); the exit to raise.
+
+    The code is `code`, else the exit-code table's for `exc` (`services.cli.failure`).
+    """
+    return failure.fail(exc, code)
 
 
 def parse_formats(text: str) -> list[str]:
@@ -84,8 +86,8 @@ def export_metrics(
         raise fail(exc) from exc
     try:
         store = store_from(redis_url, cluster)
-    except AsteroidError as exc:
-        raise fail(exc, ExitCode.FAILED) from exc
+    except AsteroidError as exc:  # Redis not answering: UNREACHABLE
+        raise fail(exc) from exc
     try:
         if read_job(store, job_id) is None:
             raise fail(
@@ -93,7 +95,8 @@ def export_metrics(
             )
         records = read_records(store, job_id)
     except OUTAGE as exc:
-        raise fail(StoreError(f"Redis at {store.where} went away: {exc}"), ExitCode.FAILED) from exc
+        gone = StoreUnavailable(f"Redis at {store.where} went away: {exc}")
+        raise fail(gone) from exc
     except ValueError as exc:  # JSON that no coordinator wrote
         raise fail(StoreError(f"metrics of job {job_id} in Redis: {exc}"), ExitCode.FAILED) from exc
     except StoreError as exc:  # a record of the wrong shape, named

@@ -24,6 +24,7 @@ import typer
 from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
 from services.cli.console import CliConsole, shown
+from services.cli.failure import fail as _fail
 
 if TYPE_CHECKING:
     from common.curve import CurveKeys
@@ -169,9 +170,8 @@ def _operator_keys() -> CurveKeys | None:
     return load_keys(Path(keys_dir) if keys_dir else None, "operator")
 
 
-def _fail(exc: Exception, code: ExitCode = ExitCode.CONFIG) -> typer.Exit:
-    console.print(f"[red]error:[/red] {shown(exc)}")  # a refusal quotes the coordinator
-    return typer.Exit(int(code))
+_INPUT_REFUSALS = ("invalid", "no_job")
+"""Refusals of an infer request that are the request's fault (exit CONFIG, not JOB_FAILED)."""
 
 
 def _coordinator(address: str | None) -> str:
@@ -198,8 +198,9 @@ def serve(
     if not reply.ok:
         raise _fail(ConfigError(reply.error))
     console.print(
-        f"serving job [cyan]{spec.serve_id}[/cyan] submitted to {address}; "
-        f"follow it with `asteroid status {spec.serve_id}`"
+        f"serving job [cyan]{spec.serve_id}[/cyan] submitted to {address}; see it with "
+        f"`asteroid status --job {spec.serve_id}`, ask it with `asteroid infer "
+        f"{spec.serve_id} --ids 1,2,3`, stop it with `asteroid cancel {spec.serve_id}`"
     )
 
 
@@ -255,7 +256,7 @@ def infer(
 ) -> None:
     """Send one request to a serving job and print the answer and its latency."""
     if (ids is None) == (prompt is None):
-        raise _fail(ConfigError("give exactly one of --ids and --prompt"), ExitCode.CONFIG)
+        raise _fail(ConfigError("give exactly one of --ids and --prompt"))
     from common.serving_messages import InferReply
 
     reply: InferReply | None = None
@@ -284,12 +285,15 @@ def infer(
                     reply = answer
                 else:
                     console.print(f"tokens: {answer.tokens}")
-    except (AsteroidError, ValueError) as exc:
+    except ValueError as exc:  # a tokenizer's complaint about the prompt
+        raise _fail(ConfigError(str(exc))) from exc
+    except AsteroidError as exc:
         raise _fail(exc) from exc
     if reply is None:
         raise _fail(AsteroidError("the coordinator sent no infer_reply"))
     if not reply.ok:
-        raise _fail(ConfigError(reply.error), ExitCode.JOB_FAILED)
+        code = ExitCode.CONFIG if reply.refusal in _INPUT_REFUSALS else ExitCode.JOB_FAILED
+        raise _fail(ConfigError(reply.error), code)
     console.print(
         f"request {reply.request}: {len(tokens)} tokens in, latency {reply.latency_s * 1e3:.1f} ms"
         f" (queued {reply.queued_s * 1e3:.1f} ms)"

@@ -8,11 +8,13 @@ exits with a named exit code.
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 
 import redis
 import yaml
+import zmq
 from pydantic import ValidationError
 
 from common.bootstrap import Stop, run_service
@@ -30,7 +32,7 @@ from common.version import VERSION
 from services.coordinator.model_probe import start_probe_server
 from services.coordinator.service import Coordinator
 
-__all__ = ["main", "redis_problem", "run"]
+__all__ = ["bind_problem", "main", "redis_problem", "run"]
 
 log = get_logger(__name__)
 
@@ -81,6 +83,22 @@ def _plan_request(settings: CoordinatorSettings, job: JobSpec, planner: str) -> 
     )
 
 
+def bind_problem(address: str, exc: zmq.ZMQError) -> str:
+    """Why the control address could not be bound, saying what to do about it.
+
+    A port in use is nearly always a coordinator already running (a second
+    `asteroid up`, a service manager's copy): the line says so and how to run
+    this one beside it.
+    """
+    if exc.errno == errno.EADDRINUSE:
+        port = address.rpartition(":")[2]
+        return (
+            f"port {port} is in use ({address}): another coordinator? stop it, or give this "
+            "one another --bind (ASTEROID_BIND)"
+        )
+    return f"cannot bind {address}: {exc.strerror} (check --bind, ASTEROID_BIND)"
+
+
 def redis_problem(exc: StoreError, where: str) -> str:
     """What went wrong reaching Redis at start, in words that say what to fix.
 
@@ -125,6 +143,8 @@ def run(settings: CoordinatorSettings, stop: Stop | None = None) -> ExitCode:
     except ConfigError as exc:  # e.g. bound beyond loopback without keys
         log.error("coordinator cannot start", error=str(exc))
         return ExitCode.CONFIG
+    except zmq.ZMQError as exc:  # one line (run_service's), not a traceback
+        raise ConfigError(bind_problem(settings.bind, exc)) from None
     stop.on_stop(coord.stop)
     try:
         coord.store.ping()  # one clear error (its URL's password hidden), not a traceback

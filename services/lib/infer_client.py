@@ -21,7 +21,7 @@ import zmq
 
 from common.codec import Limits, recv_message, send_message
 from common.curve import COORDINATOR, CurveKeys
-from common.errors import AsteroidError, ProtocolError
+from common.errors import AsteroidError, ProtocolError, Unreachable
 from common.logging import get_logger
 from common.messages import JobReply
 from common.serving_messages import InferChunk, InferReply, InferRequest
@@ -52,7 +52,7 @@ def operator_dealer(
     )
 
 
-class InferUnanswered(AsteroidError):
+class InferUnanswered(Unreachable):
     """No reply from the coordinator before the deadline."""
 
 

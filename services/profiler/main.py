@@ -10,8 +10,8 @@ stopped (see `services.profiler.service`).
 Exit codes: 0 profile ready (with `--serve`: stopped by SIGTERM/SIGINT, like
 the planner service), 2 invalid settings or model (with `--serve`: also a
 `--keys` directory without a service key or the coordinator's public key), 3
-Redis (or, without a Redis URL, the coordinator that says where it is)
-unreachable or profiling failed, 130 interrupted
+profiling failed, 4 Redis (or, without a Redis URL, the coordinator that says
+where it is) unreachable, 130 interrupted
 (`common.exit_codes.ExitCode`).
 """
 
@@ -43,7 +43,7 @@ from common.device import (
     memory_budget,
     visible_cores,
 )
-from common.errors import AsteroidError, ConfigError, StoreError
+from common.errors import AsteroidError, ConfigError, StoreError, Unreachable
 from common.exit_codes import ExitCode
 from common.locate import CoordinatorUnreachable, with_redis
 from common.logging import bind_global, get_logger
@@ -203,7 +203,7 @@ def run(settings: ProfilerSettings) -> ExitCode:
             settings = with_redis(settings, keys, REDIS_USER, patience_s=LOCATE_PATIENCE_S)
     except CoordinatorUnreachable as exc:
         log.error("profiling failed", error=str(exc))
-        return ExitCode.JOB_FAILED
+        return ExitCode.UNREACHABLE
     except ConfigError as exc:
         log.error("invalid settings", error=str(exc))
         return ExitCode.CONFIG
@@ -255,7 +255,7 @@ def run(settings: ProfilerSettings) -> ExitCode:
         return ExitCode.CONFIG
     except (AsteroidError, redis.RedisError) as exc:
         log.error("profiling failed", error=str(exc))
-        return ExitCode.JOB_FAILED
+        return ExitCode.UNREACHABLE if isinstance(exc, Unreachable) else ExitCode.JOB_FAILED
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
     finally:

@@ -8,7 +8,7 @@ the clock offset, the data and link ports. Each problem comes with the command
 that fixes it; `--json` gives the same for scripts. Every network wait ends
 by `--timeout`, so against a host that is down it still ends in seconds.
 
-Exit codes: 0 healthy, 1 at least one problem (`ExitCode.FAILED`), 2 a bad flag.
+Exit codes: 0 healthy, 5 at least one problem (`ExitCode.DEVICE_FAILED`), 2 a bad flag.
 """
 
 from __future__ import annotations

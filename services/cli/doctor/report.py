@@ -21,7 +21,7 @@ __all__ = ["STATUSES", "Check", "Status", "as_json", "exit_code", "render"]
 Status = Literal["ok", "note", "problem", "skipped"]
 STATUSES: tuple[Status, ...] = ("ok", "note", "problem", "skipped")
 """ok: as it should be; note: worth knowing, not wrong (a missing extra); problem: this
-device will not work as it is (exit code 1); skipped: could not be told (what it needs failed)."""
+device will not work as it is (exit code 5); skipped: could not be told (what it needs failed)."""
 
 _MARK = {
     "ok": "[green]ok[/green]",
@@ -52,8 +52,12 @@ class Check:
 
 
 def exit_code(checks: Sequence[Check]) -> ExitCode:
-    """OK when nothing is a problem, else FAILED: what a script needs to gate on."""
-    return ExitCode.FAILED if any(c.status == "problem" for c in checks) else ExitCode.OK
+    """OK when nothing is a problem, else DEVICE_FAILED: what a script needs to gate on.
+
+    Not FAILED, which the exit-code table keeps for a bug: a problem found is the
+    report doing its job, "this device is not ready".
+    """
+    return ExitCode.DEVICE_FAILED if any(c.status == "problem" for c in checks) else ExitCode.OK
 
 
 def as_json(checks: Sequence[Check]) -> dict[str, Any]:
@@ -98,6 +102,8 @@ def render(checks: Sequence[Check], console: Console) -> None:
     problems = sum(c.status == "problem" for c in checks)
     console.print()
     if problems:
-        console.print(f"[red]{problems} problem{'s' if problems > 1 else ''}[/red] (exit code 1)")
+        plural = "s" if problems > 1 else ""
+        code = int(ExitCode.DEVICE_FAILED)
+        console.print(f"[red]{problems} problem{plural}[/red] (exit code {code})")
     else:
         console.print("[green]healthy[/green]: this device is ready to join")

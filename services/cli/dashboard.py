@@ -61,9 +61,9 @@ def dashboard(
     previous = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def listening(url: str) -> None:
-        console.print(
-            f"dashboard at [cyan]{url}[/cyan] (Prometheus: {url}metrics); Ctrl-C stops it"
-        )
+        # one line, never wrapped: a person copies the address out of it
+        line = f"dashboard at {url} (Prometheus: {url}metrics); Ctrl-C stops it"
+        console.print(line, soft_wrap=True, highlight=False)
 
     try:
         code = serve(settings, stop, listening)

@@ -25,13 +25,6 @@ from common.store import Store
 from services.cli.console import CliConsole
 from services.cli.failure import fail
 from services.cli.jobs import RedisOpt
-from services.cli.plan_profiles import (
-    HERE,
-    KINDS,
-    known_names,
-    resolve_profiles,
-    stored_fingerprints,
-)
 from services.planner.base import check_memory
 from services.planner.cost import CostModel
 from services.planner.registry import PLANNERS, get_planner
@@ -98,6 +91,9 @@ def _profiles(
     cluster: ClusterSpec, model: str, micro: int, redis_url: str | None
 ) -> dict[str, Profile]:
     """Each profile name the cluster's devices give, resolved (see `plan_profiles`)."""
+    # the testbed's device kinds come with the testbed package: only for a plan
+    from services.cli.plan_profiles import HERE, KINDS, known_names, resolve_profiles
+
     wanted: dict[str, str] = {}
     for d in cluster.devices:
         if not d.profile:
@@ -118,6 +114,7 @@ def _profiles(
 def _list_profiles(model: str, redis_url: str | None) -> None:
     """Print every profile name a cluster file may use for `model`."""
     from common.model_key import model_key
+    from services.cli.plan_profiles import known_names, stored_fingerprints
 
     key = model_key(_model(model))
     store = _open_store(redis_url)

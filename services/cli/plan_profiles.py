@@ -74,7 +74,7 @@ class ProfileName:
 def known_names(stored: Iterable[str] = ()) -> list[ProfileName]:
     """The shipped kinds, `here`, then the fingerprints stored in Redis for the model."""
     out = [
-        ProfileName(slug, k.memory_bytes, f"{k.name}, {k.tflops:.3g} TFLOPS peak ({k.source})")
+        ProfileName(slug, k.memory_bytes, f"{k.name}: {k.tflops:.3g} TFLOPS peak, estimated")
         for slug, k in KINDS.items()
     ]
     out.append(ProfileName(HERE, 0, "this machine, measured when the plan is made"))

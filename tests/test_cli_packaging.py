@@ -9,6 +9,7 @@ from common.exit_codes import ExitCode
 from common.fl.spec import load_federation
 from common.job import load_job
 from common.plan import Plan
+from common.profile import ClusterSpec
 from services.cli import app
 from services.cli.example_files import DEMO_JOB, example_names, example_path
 from services.cli.serve import load_serve_spec
@@ -28,6 +29,8 @@ def test_the_examples_are_package_data_that_load():
                 assert load_serve_spec(path).serve_id
             elif name.startswith("federation-"):
                 assert load_federation(path).homes
+            elif name.startswith("cluster"):  # for asteroid plan
+                assert ClusterSpec.model_validate(yaml.safe_load(path.read_text())).devices
             elif name.endswith(".yaml"):
                 assert load_job(path).job_id
             else:

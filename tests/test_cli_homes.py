@@ -92,7 +92,8 @@ def _wait_for_line(proc: subprocess.Popen[str], pattern: str, timeout_s: float) 
 def test_two_homes_federate_to_the_end_and_stop_on_ctrl_c(tmp_path: Path) -> None:
     script = (
         "import sys; from pathlib import Path; from services.cli.homes import up_homes; "
-        "up_homes(2, 1, 1, Path(sys.argv[1]), None, updates=2)"
+        "up_homes(2, 1, 1, Path(sys.argv[1]), None, updates=2, "
+        "publish=lambda s: print('published', s.cluster, s.coordinator, flush=True))"
     )
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -104,6 +105,7 @@ def test_two_homes_federate_to_the_end_and_stop_on_ctrl_c(tmp_path: Path) -> Non
     )
     started: set[int] = set()
     try:
+        _wait_for_line(proc, r"published home-0 tcp://127\.0\.0\.1:\d+$", START_S)
         found = _wait_for_line(proc, r"Redis (redis://\S+?);", START_S)
         store = Store(found.group(1), FEDERATION_PREFIX)
         try:

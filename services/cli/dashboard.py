@@ -15,8 +15,9 @@ import typer
 
 from common.bootstrap import Stop
 from common.errors import AsteroidError
-from common.exit_codes import ExitCode, exit_code_of
-from services.cli.console import CliConsole, shown
+from common.exit_codes import ExitCode
+from services.cli.console import CliConsole
+from services.cli.failure import fail
 from services.dashboard.settings import DEFAULT_PORT, DashboardSettings
 
 __all__ = ["dashboard"]
@@ -55,8 +56,7 @@ def dashboard(
         fields = {k: getattr(common, k) for k in common.model_fields_set}
         settings = DashboardSettings(**fields, http_host=host, http_port=port)
     except AsteroidError as exc:
-        console.print(f"[red]error:[/red] {shown(exc)}")
-        raise typer.Exit(int(exit_code_of(exc))) from None
+        raise fail(exc) from None
     stop = Stop("asteroid dashboard")
     previous = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -66,10 +66,9 @@ def dashboard(
         console.print(line, soft_wrap=True, highlight=False)
 
     try:
-        code = serve(settings, stop, listening)
+        code = serve(settings, stop, listening, redis_patience_s=0.0)  # as `status`: at once
     except AsteroidError as exc:
-        console.print(f"[red]error:[/red] {shown(exc)}")
-        raise typer.Exit(int(exit_code_of(exc))) from None
+        raise fail(exc) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

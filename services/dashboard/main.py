@@ -15,11 +15,12 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from common.bootstrap import Stop, run_service
 from common.curve import is_loopback, load_keys
-from common.errors import ConfigError
+from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
 from common.extras import require
 from common.locate import with_redis
@@ -47,6 +48,16 @@ def _bound_port(server: Any, fallback: int) -> int:
     return fallback
 
 
+class _Stopped(Exception):
+    """The stop came while the dashboard waited for Redis."""
+
+
+def _idle(stop: Stop, seconds: float) -> None:
+    """Wait `seconds` between two tries to reach Redis, or end the wait at the stop."""
+    if stop.event.wait(seconds):
+        raise _Stopped
+
+
 def _run(server: Any) -> None:
     """Run uvicorn's server; its exit when it cannot listen is reported by the main thread."""
     try:
@@ -56,12 +67,20 @@ def _run(server: Any) -> None:
 
 
 def serve(
-    settings: DashboardSettings, stop: Stop, on_listening: Callable[[str], None] | None = None
+    settings: DashboardSettings,
+    stop: Stop,
+    on_listening: Callable[[str], None] | None = None,
+    redis_patience_s: float | None = None,
 ) -> ExitCode:
     """Serve the dashboard until `stop`; `on_listening(url)` once it listens.
 
+    Redis must answer first: the service waits for it up to `redis_outage_s`
+    (`redis_patience_s` when given; the CLI gives 0, failing at once as every
+    command does). Once listening, an outage is shown on the page, not fatal.
+
     Raises:
         MissingExtraError: The `dashboard` extra is not installed.
+        StoreUnavailable: Redis did not answer within the patience.
         ConfigError: The address cannot be listened on (taken, or not this machine's).
 
     """
@@ -79,6 +98,15 @@ def serve(
         keys = load_keys(settings.keys, "operator")
         settings = with_redis(settings, keys, "operator", stop=stop.is_set)
     store = Store(settings.redis_url, settings.cluster, REDIS_TIMEOUT_S, REDIS_TIMEOUT_S)
+    patience = settings.redis_outage_s if redis_patience_s is None else redis_patience_s
+    try:
+        store.ride_out(store.probe, "the dashboard's first look", patience, partial(_idle, stop))
+    except _Stopped:
+        store.close()
+        return ExitCode.OK
+    except AsteroidError:
+        store.close()
+        raise
     reader = ClusterReader(store, settings.cluster, settings.stale_s())
     config = uvicorn.Config(
         create_app(reader, loopback_only=loopback),

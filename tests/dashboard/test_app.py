@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 
 import pytest
 import typer
@@ -10,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
+from common.entry_points import service_command
 from common.exit_codes import ExitCode
 from common.records.jobs import index_job, write_job_state
 from services.cli.dashboard import dashboard
@@ -72,5 +75,27 @@ def test_a_taken_port_is_one_line_and_the_config_exit_code(redis_url, cluster_na
             cli, ["--port", str(port), "--redis-url", redis_url, "--cluster", cluster_name]
         )
     assert res.exit_code == ExitCode.CONFIG, res.output
-    assert f"could not listen on 127.0.0.1:{port}" in res.output
-    assert "Traceback" not in res.output
+    assert f"could not listen on 127.0.0.1:{port}" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.output
+
+
+def test_an_unreachable_redis_is_one_line_and_the_unreachable_exit_code(cluster_name):
+    cli = typer.Typer()
+    cli.command()(dashboard)
+    args = ["--port", "0", "--redis-url", "redis://127.0.0.1:9/0", "--cluster", cluster_name]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == ExitCode.UNREACHABLE, res.output
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "redis://127.0.0.1:9/0" in lines[0], res.stderr
+    assert "dashboard at" not in res.output
+
+
+def test_the_service_waits_for_redis_then_names_it(tmp_path):
+    argv = [*service_command("dashboard"), "--http-port", "0", "--redis-outage-s", "1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASTEROID_")}
+    env["ASTEROID_REDIS_URL"] = "redis://127.0.0.1:9/0"
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == ExitCode.UNREACHABLE, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "asteroid-dashboard: error:" in line]
+    assert len(errors) == 1 and "redis://127.0.0.1:9/0" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,34 +1,57 @@
 """`asteroid train | status | cancel | drain | export`: jobs on a running coordinator.
 
 Submission and cancelling go to the coordinator over ZeroMQ; following,
-status and export read Redis. A bad job spec is refused before anything is
-sent, with one error naming the field. What pulls in torch (job specs, the
-wire codec, weight export) is imported inside the commands, so `asteroid
---help` does not load it.
+status and export read Redis. Where both are comes from the options, else
+ASTEROID_* variables, else the cluster `asteroid up` runs on this machine
+(`common.local_cluster.resolve`); with none of these and nothing answering at
+the defaults, a command says so at once instead of waiting out a timeout.
+A bad job spec is refused before anything is sent, with one error naming the
+field. What pulls in torch (job specs, the wire codec, weight export) is
+imported inside the commands, so `asteroid --help` does not load it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from common.errors import AsteroidError, ConfigError, DataPathError, StoreError
+from common.errors import (
+    AsteroidError,
+    ConfigError,
+    DataPathError,
+    StoreError,
+    Unreachable,
+)
 from common.exit_codes import ExitCode
 from common.ids import DeviceId, check_job_id
-from common.records.devices import read_devices
+from common.local_cluster import Resolved, resolve, tcp_listening
+from common.records.devices import DeviceRecord, read_devices, shown_state
 from common.records.jobs import read_job, recent_jobs
-from common.settings import CommonSettings
+from common.settings import CommonSettings, CoordinatorSettings
 from common.store import Store
 from services.cli.console import CliConsole, shown
+from services.cli.failure import fail
 
 if TYPE_CHECKING:
     from services.cli.follow import JobView
 
-__all__ = ["cancel", "drain", "export", "status", "store_from", "train", "view_exit_code"]
+__all__ = [
+    "NO_CLUSTER",
+    "NoClusterFound",
+    "cancel",
+    "drain",
+    "export",
+    "open_store",
+    "status",
+    "store_from",
+    "train",
+    "view_exit_code",
+]
 
 console = CliConsole()
 
@@ -45,27 +68,58 @@ ClusterOpt = Annotated[
 ]
 
 
-def _settings(coordinator: str | None, redis_url: str | None, cluster: str | None) -> Any:
-    overrides: dict[str, Any] = {
-        k: v
-        for k, v in (("coordinator", coordinator), ("redis_url", redis_url), ("cluster", cluster))
-        if v
-    }
-    return CommonSettings(**overrides)
+NO_CLUSTER = (
+    "no cluster found: start one with `asteroid up` (every command then finds it), or name "
+    "one with ASTEROID_COORDINATOR and ASTEROID_REDIS_URL (or --coordinator, --redis-url)"
+)
+
+
+class NoClusterFound(Unreachable):
+    """No option, variable or local cluster names a cluster, and none answers at the defaults.
+
+    Said at once, not after a request's whole timeout.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(NO_CLUSTER)
+
+
+def _resolve(coordinator: str | None, redis_url: str | None, cluster: str | None) -> Resolved:
+    """`resolve`, or the CLI's exit (CONFIG) when the local cluster's file is unusable."""
+    try:
+        return resolve(coordinator, redis_url, cluster)
+    except ConfigError as exc:
+        raise _fail(exc) from exc
+
+
+def _nothing_named(res: Resolved) -> bool:
+    """Whether neither an option, a variable nor a local cluster named where the cluster is."""
+    return res.origin["coordinator"] == res.origin["redis_url"] == "default"
+
+
+def _coordinator(res: Resolved) -> str:
+    """The coordinator to ask; NoClusterFound at once when none is named and none listens."""
+    address = res.settings.coordinator
+    if res.origin["coordinator"] == "default" and tcp_listening(address) is False:
+        raise NoClusterFound
+    return address
 
 
 LOCATE_PATIENCE_S = 10.0
 """Longest the CLI waits for the coordinator to say where Redis is."""
 
 
-def store_from(redis_url: str | None, cluster: str | None) -> Store:
-    """The store the options (or ASTEROID_* variables) name, checked to answer.
+def store_from(redis_url: str | None, cluster: str | None, coordinator: str | None = None) -> Store:
+    """The store the options, ASTEROID_* variables or the local cluster name, checked to answer.
 
     With no Redis URL but a coordinator or a key set configured, the
     coordinator says where Redis is, and the key set's `operator` password
     logs in (`common.locate`); with neither, the default URL is used.
     """
-    s = _settings(None, redis_url, cluster)
+    return _store(resolve(coordinator, redis_url, cluster).settings)
+
+
+def _store(s: CommonSettings) -> Store:
     if "redis_url" not in s.model_fields_set and {"coordinator", "keys"} & s.model_fields_set:
         from common.curve import load_keys
         from common.locate import with_redis
@@ -77,20 +131,32 @@ def store_from(redis_url: str | None, cluster: str | None) -> Store:
     return store
 
 
-def open_store(redis_url: str | None, cluster: str | None) -> Store:
-    """`store_from`, or the CLI's exit (FAILED) naming why Redis cannot be reached."""
+def open_store(redis_url: str | None, cluster: str | None, coordinator: str | None = None) -> Store:
+    """`store_from`, or the CLI's exit (UNREACHABLE) naming why Redis cannot be reached.
+
+    When nothing named a cluster, the reason is that: `NO_CLUSTER`.
+    """
+    return _open(_resolve(coordinator, redis_url, cluster))
+
+
+def _open(res: Resolved) -> Store:
     try:
-        return store_from(redis_url, cluster)
+        return _store(res.settings)
     except AsteroidError as exc:
-        raise _fail(exc, ExitCode.FAILED) from exc
+        raise _fail(NoClusterFound() if _nothing_named(res) else exc) from exc
 
 
-def _fail(exc: Exception, code: ExitCode = ExitCode.CONFIG) -> typer.Exit:
-    """Print `exc` (credentials hidden) and the exit to raise."""
+def _fail(exc: Exception, code: ExitCode | None = None) -> typer.Exit:
+    """Print `exc` (credentials hidden) on stderr; the exit to raise.
+
+    Default code: UNREACHABLE for a Redis or coordinator that did not answer,
+    else CONFIG (a refusal, a job or checkpoint that is not there).
+    """
     if isinstance(exc, DataPathError):  # checked on this machine: the reason is the operator's
         exc = ConfigError(exc.detail)
-    console.print(f"[red]error:[/red] {shown(exc)}")  # a refusal quotes the coordinator
-    return typer.Exit(int(code))
+    if code is None:
+        code = ExitCode.UNREACHABLE if isinstance(exc, Unreachable) else ExitCode.CONFIG
+    return fail(exc, code)
 
 
 def view_exit_code(view: JobView) -> ExitCode:
@@ -117,24 +183,28 @@ def train(
 ) -> None:
     """Submit a job to a running coordinator and follow its progress."""
     from common.job import load_job
-    from common.messages import SubmitJob
-    from services.cli.client import ask_coordinator
-    from services.cli.follow import follow
-    from services.coordinator.checks import check_job
 
-    s = _settings(coordinator, redis_url, cluster)
+    res = _resolve(coordinator, redis_url, cluster)
     try:
         job = load_job(job_file)
-        check_job(job, s.model_modules)
-        reply = ask_coordinator(s.coordinator, SubmitJob(job=job, replace=replace), reply_timeout)
+        # no cluster is said before the model check loads torch and builds the model
+        address = _coordinator(res)
+        from common.messages import SubmitJob
+        from services.cli.client import ask_coordinator
+        from services.coordinator.checks import check_job
+
+        check_job(job, res.settings.model_modules)
+        reply = ask_coordinator(address, SubmitJob(job=job, replace=replace), reply_timeout)
     except AsteroidError as exc:
         raise _fail(exc) from exc
     if not reply.ok:
         raise _fail(ConfigError(reply.error))
-    console.print(f"job [cyan]{job.job_id}[/cyan] submitted to {s.coordinator}")
+    console.print(f"job [cyan]{job.job_id}[/cyan] submitted to {address}")
     if not follow_:
         return
-    store = open_store(redis_url, cluster)
+    from services.cli.follow import follow
+
+    store = _open(res)
     try:
         view = follow(store, job.job_id, console)
     except KeyboardInterrupt:
@@ -157,10 +227,10 @@ def cancel(
     from common.messages import CancelJob
     from services.cli.client import ask_coordinator
 
-    s = _settings(coordinator, None, None)
+    res = _resolve(coordinator, None, None)
     try:
         check_job_id(job_id, "the command line")
-        reply = ask_coordinator(s.coordinator, CancelJob(job_id=job_id), reply_timeout)
+        reply = ask_coordinator(_coordinator(res), CancelJob(job_id=job_id), reply_timeout)
     except AsteroidError as exc:
         raise _fail(exc) from exc
     if not reply.ok:
@@ -181,9 +251,10 @@ def drain(
     from common.messages import DrainDevice
     from services.cli.client import ask_coordinator
 
-    s = _settings(coordinator, None, None)
+    res = _resolve(coordinator, None, None)
     try:
-        reply = ask_coordinator(s.coordinator, DrainDevice(target=DeviceId(device)), reply_timeout)
+        target = DrainDevice(target=DeviceId(device))
+        reply = ask_coordinator(_coordinator(res), target, reply_timeout)
     except AsteroidError as exc:
         raise _fail(exc) from exc
     if not reply.ok:
@@ -211,16 +282,38 @@ def _age(seen: float | None) -> str:
     return f"{max(0.0, time.time() - seen):.1f} s"
 
 
-def devices_table(store: Store) -> Table:
-    """Every worker that ever joined this cluster, freshest first."""
+def heartbeat_limits(s: CommonSettings) -> tuple[float, float]:
+    """Heartbeat ages (silent, stale) past which `status` stops trusting a device's state.
+
+    The coordinator's own: it suspects a worker after heartbeat_misses missed
+    heartbeats and forgets one after device_expiry_s (its defaults; the
+    heartbeat interval as this command's settings say).
+    """
+    fields = CoordinatorSettings.model_fields
+    silent = s.heartbeat_s * float(fields["heartbeat_misses"].default)
+    return silent, max(float(fields["device_expiry_s"].default), silent)
+
+
+def devices_table(
+    store: Store,
+    devices: list[DeviceRecord] | None = None,
+    limits: tuple[float, float] | None = None,
+) -> Table:
+    """Every worker with a record in this cluster (`read_devices` by default), freshest first.
+
+    A device silent for too long shows "silent" or "stale" (`shown_state`),
+    not the state its last heartbeat claimed.
+    """
+    silent_s, stale_s = limits or heartbeat_limits(CommonSettings())
+    now = time.time()
     table = Table(title="devices")
     for col in DEVICE_COLUMNS:
         table.add_column(col)
-    for d in read_devices(store):  # freshest first
+    for d in read_devices(store) if devices is None else devices:  # freshest first
         table.add_row(  # each field came from a peer's heartbeat
             shown(d.device),
             _age(d.seen),
-            shown(d.state or "?"),
+            shown(shown_state(d, now, silent_s, stale_s)),
             shown("-" if d.stage is None else d.stage),
             shown("-" if d.round is None else d.round),
             f"{d.memory_budget / (1 << 30):.2f} GiB" if d.memory_budget else "-",
@@ -231,12 +324,14 @@ def devices_table(store: Store) -> Table:
     return table
 
 
-def jobs_table(store: Store, only: str | None = None) -> Table:
+def jobs_table(store: Store, only: str | None = None, jobs: Sequence[str] | None = None) -> Table:
     """Jobs, newest first: state, progress, loss, held-out accuracy, samples/s."""
     table = Table(title="jobs")
     for col in ("job", "state", "round", "loss", "held-out acc", "samples/s", "note"):
         table.add_column(col)
-    for jid in recent_jobs(store) if only is None else [only]:
+    if jobs is None:
+        jobs = recent_jobs(store) if only is None else [only]
+    for jid in jobs:
         j = read_job(store, jid)
         if j is None:
             table.add_row(shown(jid), "unknown", "-", "-", "-", "-", "")
@@ -258,20 +353,44 @@ def status(
     redis_url: RedisOpt = None,
     cluster: ClusterOpt = None,
 ) -> None:
-    """Devices (heartbeat age, stage, memory) and jobs (state, round, samples/s)."""
+    """Devices (heartbeat age, state, stage, memory) and jobs (state, round, samples/s).
+
+    An empty cluster gets a line saying which cluster and Redis were looked at
+    and how to look elsewhere: a wrong prefix or URL otherwise looks exactly
+    like a cluster with nothing in it.
+    """
     try:
         if job is not None:
             check_job_id(job, "the command line")
     except ConfigError as exc:
         raise _fail(exc) from exc
-    store = open_store(redis_url, cluster)
+    res = _resolve(None, redis_url, cluster)
+    store = _open(res)
     try:
-        console.print(devices_table(store))
-        console.print(jobs_table(store, job))
+        devices = read_devices(store)
+        jobs: Sequence[str] = recent_jobs(store) if job is None else [job]
+        console.print(devices_table(store, devices, heartbeat_limits(res.settings)))
+        console.print(jobs_table(store, jobs=jobs))
     except StoreError as exc:  # a record no coordinator wrote, named
         raise _fail(exc, ExitCode.FAILED) from exc
     finally:
         store.close()
+    if not devices and not jobs:
+        console.print(_empty_hint(res), soft_wrap=True)
+
+
+def _empty_hint(res: Resolved) -> str:
+    """What an empty `status` says: where it looked, and what to do next."""
+    if res.local is not None:
+        return (
+            f"no devices and no jobs yet in {res.where()}: its workers join within seconds; "
+            "submit with `asteroid train JOB.yaml`."
+        )
+    return (
+        f"nothing here: no devices and no jobs in {res.where()}. Start a cluster with "
+        "`asteroid up`, or look elsewhere with --redis-url and --cluster "
+        "(ASTEROID_REDIS_URL, ASTEROID_CLUSTER)."
+    )
 
 
 def export(
@@ -290,9 +409,10 @@ def export(
 
     try:
         check_job_id(job_id, "the command line")
-        store = store_from(redis_url, cluster)
+        s = resolve(None, redis_url, cluster).settings
+        store = _store(s)
         try:
-            allowed = _settings(None, redis_url, cluster).model_modules
+            allowed = s.model_modules
             info = export_weights(store, job_id, out, round_no, allowed)
         finally:
             store.close()

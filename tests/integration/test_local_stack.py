@@ -3,22 +3,32 @@
 Submit -> profiling (profiler service) -> planning (planner service) ->
 running (workers) -> finished, with held-out evaluation, a report, exported
 weights that give the accuracy the job reported, cancel, and a job the
-coordinator refuses.
+coordinator refuses. And `asteroid up` as a person runs it: found by `status`
+and `train` with nothing set, its state folder refused to a second `up`,
+another folder independent.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from rich.console import Console
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from common.checkpoint import latest_round
+from common.exit_codes import ExitCode
 from common.job import JobSpec
 from common.job_data import open_data
 from common.messages import CancelJob, SubmitJob
@@ -34,6 +44,7 @@ from tests.common.test_cifar10 import make_records, write
 from tests.security.attacker import Attacker
 
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
 
 JOB = {
     "job_id": "flow",
@@ -199,3 +210,120 @@ def test_cancel_stops_at_a_round_boundary_and_the_coordinator_goes_on(
     assert view.evals[-1]["eval_samples"] == 40  # every held-out record once
     stack.check()
     store.close()
+
+
+def _person(xdg: Path) -> dict[str, str]:
+    """A person's environment: no ASTEROID_* variable, the state folder under `xdg`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASTEROID_")}
+    return {**env, "XDG_STATE_HOME": str(xdg), "COLUMNS": "200"}
+
+
+def _asteroid(args: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, str]:
+    """Run `asteroid ARGS` to its end: exit code and output (stdout and stderr)."""
+    res = subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=timeout_s,
+        check=False,
+    )
+    return res.returncode, res.stdout.decode(errors="replace")
+
+
+class _Up:
+    """`asteroid up ARGS` in the background, its output in a file; stopped with SIGINT."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "up", *args],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_up(self, timeout_s: float) -> str:
+        """The "submit with" line, once `up` printed it."""
+        deadline = time.monotonic() + timeout_s
+        while (line := re.search(r"^submit with: .*$", self.text(), re.M)) is None:
+            assert self.proc.poll() is None, f"up exited ({self.proc.returncode}):\n{self.text()}"
+            assert time.monotonic() < deadline, f"up not up in {timeout_s:.0f} s:\n{self.text()}"
+            time.sleep(0.3)
+        return line[0]
+
+    def stop(self, timeout_s: float) -> int:
+        """SIGINT, then its exit code (SIGKILL if it outstays `timeout_s`)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(600)  # three `up`s and six CLI runs, each importing torch
+def test_up_is_found_by_status_and_train_and_owns_its_state_folder(tmp_path, budget: Budget):
+    env = _person(tmp_path / "xdg")
+    state = tmp_path / "xdg" / "asteroid"
+    first = _Up(["--workers", "2", "--logs", str(tmp_path / "logs")], env, tmp_path / "up.log")
+    other: _Up | None = None
+    try:
+        line = first.wait_up(budget.left(120))
+        assert line == "submit with: asteroid train JOB.yaml (from another terminal; status too)"
+        found = json.loads((state / "cluster.json").read_text())
+        assert found["pid"] == first.proc.pid and found["cluster"] == "local"
+        assert f"cluster up: coordinator {found['coordinator']}," in first.text()
+
+        # status with nothing set finds the cluster: its workers, once they heartbeat
+        deadline = time.monotonic() + budget.left(90)
+        while True:
+            code, out = _asteroid(["status"], env, budget.left(60))
+            assert code == 0, out
+            if "dev-0" in out and "dev-1" in out:
+                break
+            assert time.monotonic() < deadline, out
+            time.sleep(1)
+
+        # a second up on the same folder refuses, naming the first; the first goes on
+        code, out = _asteroid(["up", "--workers", "1"], env, budget.left(60))
+        assert code == ExitCode.CONFIG, out
+        said = " ".join(out.split())
+        assert f"pid {first.proc.pid}" in said and found["coordinator"] in said, said
+        assert first.proc.poll() is None
+
+        # another state folder runs independently, told how to be found
+        other_dir = tmp_path / "other"
+        args = ["--workers", "1", "--logs", str(tmp_path / "logs2"), "--state-dir", str(other_dir)]
+        other = _Up(args, env, tmp_path / "up2.log")
+        line = other.wait_up(budget.left(120))
+        theirs = json.loads((other_dir / "cluster.json").read_text())
+        assert f"ASTEROID_COORDINATOR={theirs['coordinator']}" in line
+        assert theirs["coordinator"] != found["coordinator"]
+        assert other.stop(budget.left(30)) == ExitCode.INTERRUPTED, other.text()
+        assert not (other_dir / "cluster.json").exists()
+
+        # train with nothing set submits to the cluster and follows it to the end
+        job = tmp_path / "job.yaml"
+        spec = {**JOB, "job_id": "found", "rounds": 2, "eval_every": 0, "min_workers": 2}
+        job.write_text(yaml.safe_dump({k: v for k, v in spec.items() if k != "checkpoint_every"}))
+        code, out = _asteroid(["train", str(job)], env, budget.left(180))
+        assert code == 0, out + first.text()
+        assert f"submitted to {found['coordinator']}" in " ".join(out.split()), out
+        assert "job found finished" in out, out
+    finally:
+        if other is not None:
+            other.stop(30)
+        stopped = first.stop(30)
+    assert stopped == ExitCode.INTERRUPTED, first.text()
+    assert not (state / "cluster.json").exists()
+    # gone: status no longer finds it
+    code, out = _asteroid(["status"], env, budget.left(60))
+    assert "dev-0" not in out and found["redis_url"] not in out, out

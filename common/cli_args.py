@@ -9,26 +9,40 @@ command uses the same wording for settings it builds from its options.
 
 from __future__ import annotations
 
+import argparse
 import sys
+import types
+import typing
 from collections.abc import Sequence
-from typing import NoReturn, TypeVar
+from pathlib import Path
+from typing import NoReturn, TypeVar, cast
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsError
 
 from common.exit_codes import ExitCode
 from common.secrets import mask_text
 from common.settings import CommonSettings
+from common.units import parse_bytes, parse_bytes_per_s
 from common.version import VERSION
 
-__all__ = ["error_line", "exit_with_error", "is_settings_error", "parse_settings"]
+__all__ = [
+    "error_line",
+    "exit_with_error",
+    "is_settings_error",
+    "metavar",
+    "parse_settings",
+    "tidy_help",
+]
 
 S = TypeVar("S", bound=BaseSettings)
 
 _ENV_PREFIX = str(CommonSettings.model_config.get("env_prefix", ""))
 _MAX_SHOWN = 80
 """Longest given value quoted back; flags are hostile input too and the line stays one line."""
+_METAVARS: dict[object, str] = {str: "TEXT", int: "N", float: "NUMBER", Path: "PATH"}
 
 
 def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str) -> S:
@@ -48,10 +62,58 @@ def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str) -> S:
         version=f"%(prog)s {VERSION}",
         help="print the version and exit",
     )
+    tidy_help(cast(argparse.ArgumentParser, source.root_parser), cls)
     try:
         return CliApp.run(cls, cli_args=args, cli_settings_source=source)
     except (SettingsError, ValidationError) as exc:
         exit_with_error(prog, exc)
+
+
+def metavar(field: FieldInfo) -> str | None:
+    """What `--help` shows a flag takes: a word a person reads, not a Python type.
+
+    pydantic-settings writes the type (`{Path,null}`, `tuple[str,...]`, `int` for a
+    byte count that takes `2GB`); None leaves a switch or a choice as it is.
+    """
+    kind = field.annotation
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:
+        kind = args[0]  # X | None: a value or nothing
+    validators = {getattr(m, "func", None) for m in field.metadata}
+    if parse_bytes in validators:
+        return "BYTES"
+    if parse_bytes_per_s in validators:
+        return "BYTES/S"
+    if typing.get_origin(kind) in (tuple, list):
+        return "A,B,..."
+    if kind is bool or typing.get_origin(kind) is typing.Literal:
+        return None
+    return _METAVARS.get(kind, "VALUE")
+
+
+def tidy_help(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
+    """`parser`'s help as a person reads it: plain metavars, no `null`, no ignored flags.
+
+    A setting the service never reads (`CLI_HIDDEN`: the coordinator's own
+    `--coordinator`) is still accepted, as the same ASTEROID_* environment serves
+    every service, but not offered.
+    """
+    hidden: frozenset[str] = getattr(cls, "CLI_HIDDEN", frozenset())
+    for action in parser._actions:
+        name = action.dest.replace("-", "_")
+        field = cls.model_fields.get(name)
+        if field is None or not action.option_strings:
+            continue
+        if name in hidden:
+            action.help = argparse.SUPPRESS
+            continue
+        shown = metavar(field)
+        if shown is not None and action.nargs != 0:
+            action.metavar = shown
+        if isinstance(action.help, str):
+            action.help = action.help.replace("(default: null)", "(default: none)").replace(
+                "(default: ())", "(default: none)"
+            )
 
 
 def exit_with_error(prog: str, exc: SettingsError | ValidationError) -> NoReturn:

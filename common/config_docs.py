@@ -12,6 +12,7 @@ import typing
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
 from common.fl.spec import FederationSpec
@@ -24,7 +25,15 @@ from common.settings import (
     WorkerSettings,
 )
 
-__all__ = ["DOC", "SECTIONS", "federation_table", "job_table", "render", "settings_table"]
+__all__ = [
+    "DOC",
+    "SECTIONS",
+    "federation_table",
+    "job_table",
+    "render",
+    "setting_default",
+    "settings_table",
+]
 
 DOC = "docs/configuration.md"
 """The page holding every generated table (relative to the repository root): one file, so
@@ -36,14 +45,29 @@ def _rows(cls: type[BaseSettings], skip: set[str], who: str) -> list[str]:
     for name, field in cls.model_fields.items():
         if name in skip:
             continue
-        default = (
-            "required" if field.is_required() else "" if field.default is None else field.default
-        )
         out.append(
             f"| `ASTEROID_{name.upper()}` | `--{name.replace('_', '-')}` | {who} | "
-            f"`{default}` | {field.description} |"
+            f"{setting_default(field)} | {field.description} |"
         )
     return out
+
+
+def setting_default(field: FieldInfo) -> str:
+    """A setting's default as the table shows it: never `PydanticUndefined` or an empty span.
+
+    A default_factory's value is computed (it has no `default`); unset and empty
+    values are said in words, since an empty code span renders as two backticks.
+    """
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if value in ("", (), []):
+        return "empty"
+    if isinstance(value, list | tuple):
+        value = ",".join(map(str, value))
+    return f"`{value}`"
 
 
 def settings_table() -> str:

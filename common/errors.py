@@ -6,9 +6,11 @@ device, a field, a sender) so that a log line alone explains the failure.
 
 from __future__ import annotations
 
+import difflib
+import typing
 from collections.abc import Callable
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 __all__ = [
     "AsteroidError",
@@ -25,6 +27,7 @@ __all__ = [
     "StoreRefused",
     "StoreUnavailable",
     "Unreachable",
+    "keys_at",
     "unreachable_for",
     "validation_message",
 ]
@@ -143,20 +146,73 @@ class NonFiniteError(AsteroidError):
 
 
 def validation_message(
-    exc: ValidationError, where_of: Callable[[tuple[int | str, ...]], str] | None = None
+    exc: ValidationError,
+    where_of: Callable[[tuple[int | str, ...]], str] | None = None,
+    model: type[BaseModel] | None = None,
 ) -> str:
     """The first error of a pydantic ValidationError as "field.path: what is wrong".
 
-    `where_of` names the place from the error's location (an inventory names the
-    device, not its index); by default the dotted path, or "job".
+    An unknown key comes first, whatever pydantic's order: a typo'd key is the
+    cause of the "required but missing" beside it, so it is the one to name.
+    With the `model` validated, an unknown key is said with the closest key
+    that model takes there ("did you mean ..."). `where_of` names the place
+    from the error's location (an inventory names the device, not its index);
+    by default the dotted path, or "job".
     """
-    err = exc.errors()[0]
+    errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")  # stable
+    err = errors[0]
     loc = tuple(err["loc"])
     where = where_of(loc) if where_of else ".".join(str(p) for p in loc) or "job"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        msg = "unknown key"
+        missing = [
+            e["loc"][-1] for e in errors if e["type"] == "missing" and e["loc"][:-1] == loc[:-1]
+        ]
+        msg = "unknown key" + _did_you_mean(loc, model, [str(m) for m in missing])
     elif err["type"] == "missing":
         msg = "required but missing"
-    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{where}: {msg}{more}"
+
+
+def _did_you_mean(
+    loc: tuple[int | str, ...], model: type[BaseModel] | None, missing: list[str]
+) -> str:
+    """The hint after "unknown key": the closest key `model` takes at `loc`, or the keys.
+
+    A key reported missing beside it is the likelier meaning (`modle` is `model`,
+    not `mode`), so those are tried first.
+    """
+    if model is None or not loc or not isinstance(loc[-1], str):
+        return ""
+    known = keys_at(model, loc[:-1])
+    close = difflib.get_close_matches(loc[-1], missing, n=1, cutoff=0.6)
+    close = close or difflib.get_close_matches(loc[-1], sorted(known), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f"; known keys: {', '.join(sorted(known))}" if 0 < len(known) <= 12 else ""
+
+
+def keys_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> set[str]:
+    """The keys the mapping at `loc` inside `model` may hold (every union member's).
+
+    A list index or a union member's tag in `loc` stays at the same mapping;
+    a field name steps into the models its annotation names.
+    """
+    current = [model]
+    for part in loc:
+        inner = [
+            sub
+            for m in current
+            if isinstance(part, str) and part in m.model_fields
+            for sub in _models_in(m.model_fields[part].annotation)
+        ]
+        current = inner or current
+    return {field.alias or name for m in current for name, field in m.model_fields.items()}
+
+
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    """The pydantic models an annotation names, through unions, Annotated and containers."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]

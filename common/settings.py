@@ -279,6 +279,9 @@ class WorkerSettings(CommonSettings):
 class CoordinatorSettings(CommonSettings):
     """The coordinator: how long it waits for workers and rounds."""
 
+    CLI_HIDDEN: ClassVar[frozenset[str]] = frozenset({"coordinator"})
+    """Settings its `--help` does not offer: it is the coordinator (it binds --bind)."""
+
     bind: str = Field("tcp://127.0.0.1:5555", description="Control-plane address to bind.")
     join_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a plan's workers.")
     round_timeout_s: float = Field(300.0, gt=0, description="Longest wait for one round.")
@@ -420,7 +423,11 @@ class ProfilerSettings(CommonSettings):
         "profiling once; each request names the model, threads, memory budget, batch sizes "
         "and optimizer, and stored profiles are always reused.",
     )
-    model: str = Field("small_cnn", description="Zoo model name, or package.module:factory.")
+    model: str = Field(
+        "small_cnn",
+        description="Zoo model (bert_small, efficientnet_b1, fl_cnn, mlp, mobilenet_v2, "
+        "resnet18, resnet50, small_cnn), or package.module:factory.",
+    )
     num_classes: int = Field(10, ge=1, description="Width of the model's logits.")
     options: str = Field("", description='Model options: a JSON object, or "key=value,key=value".')
     batch_sizes: list[int] = Field(

@@ -51,4 +51,4 @@ def load_spec_file(
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{what} {path}: {validation_message(exc)}") from exc
+        raise ConfigError(f"{what} {path}: {validation_message(exc, model=model)}") from exc

@@ -30,8 +30,8 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(
-        description="Zoo model (mlp, small_cnn, mobilenet_v2, resnet18, "
-        "resnet50, efficientnet_b1, bert_small) or package.module:factory."
+        description="Zoo model (bert_small, efficientnet_b1, fl_cnn, mlp, mobilenet_v2, "
+        "resnet18, resnet50, small_cnn) or package.module:factory."
     )
     num_classes: int = Field(10, description="Width of the logits the last layer produces.")
     options: dict[str, OptionValue] = Field(

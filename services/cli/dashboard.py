@@ -20,7 +20,10 @@ from services.cli.console import CliConsole
 from services.cli.failure import fail
 from services.dashboard.settings import DEFAULT_PORT, DashboardSettings
 
-__all__ = ["dashboard"]
+__all__ = ["LOCATE_PATIENCE_S", "dashboard"]
+
+LOCATE_PATIENCE_S = 10.0
+"""Longest `asteroid dashboard` waits for a coordinator to say where Redis is."""
 
 console = CliConsole()
 
@@ -66,7 +69,8 @@ def dashboard(
         console.print(line, soft_wrap=True, highlight=False)
 
     try:
-        code = serve(settings, stop, listening, redis_patience_s=0.0)  # as `status`: at once
+        # as `status`: Redis answers at once, a coordinator says where it is within 10 s
+        code = serve(settings, stop, listening, 0.0, LOCATE_PATIENCE_S)
     except AsteroidError as exc:
         raise fail(exc) from None
     finally:

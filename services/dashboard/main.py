@@ -71,12 +71,14 @@ def serve(
     stop: Stop,
     on_listening: Callable[[str], None] | None = None,
     redis_patience_s: float | None = None,
+    locate_patience_s: float = float("inf"),
 ) -> ExitCode:
     """Serve the dashboard until `stop`; `on_listening(url)` once it listens.
 
     Redis must answer first: the service waits for it up to `redis_outage_s`
     (`redis_patience_s` when given; the CLI gives 0, failing at once as every
     command does). Once listening, an outage is shown on the page, not fatal.
+    Asked where Redis is, the coordinator has `locate_patience_s` to answer.
 
     Raises:
         MissingExtraError: The `dashboard` extra is not installed.
@@ -96,7 +98,7 @@ def serve(
         log.warning("the dashboard listens beyond this machine: whoever reaches it reads it")
     if {"coordinator", "keys"} & settings.model_fields_set:  # else the default URL, as `status`
         keys = load_keys(settings.keys, "operator")
-        settings = with_redis(settings, keys, "operator", stop=stop.is_set)
+        settings = with_redis(settings, keys, "operator", stop.is_set, locate_patience_s)
     store = Store(settings.redis_url, settings.cluster, REDIS_TIMEOUT_S, REDIS_TIMEOUT_S)
     patience = settings.redis_outage_s if redis_patience_s is None else redis_patience_s
     try:

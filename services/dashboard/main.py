@@ -102,7 +102,10 @@ def serve(
     store = Store(settings.redis_url, settings.cluster, REDIS_TIMEOUT_S, REDIS_TIMEOUT_S)
     patience = settings.redis_outage_s if redis_patience_s is None else redis_patience_s
     try:
-        store.ride_out(store.probe, "the dashboard's first look", patience, partial(_idle, stop))
+        if patience > 0:
+            store.ride_out(store.probe, "the dashboard started", patience, partial(_idle, stop))
+        else:
+            store.ping()
     except _Stopped:
         store.close()
         return ExitCode.OK

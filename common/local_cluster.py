@@ -267,7 +267,7 @@ def _busy_message(state_dir: Path) -> str:
         if found is not None:
             first = f" (pid {found.pid}, coordinator {found.coordinator}, cluster {found.cluster})"
     if not first and (pid := _lock_owner(state_dir)) is not None:
-        first = f" (pid {pid}, still starting)"
+        first = f" (pid {pid})"
     return (
         f"the state folder {state_dir} is in use by another `asteroid up`{first}: "
         "use that cluster, stop it first, or give this one its own --state-dir"

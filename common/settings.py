@@ -392,6 +392,9 @@ class CoordinatorSettings(CommonSettings):
 class FederationSettings(CommonSettings):
     """The federation service: where homes reach it and what it runs."""
 
+    CLI_HIDDEN: ClassVar[frozenset[str]] = frozenset({"coordinator"})
+    """Settings its `--help` does not offer: homes' coordinators reach it, not it them."""
+
     bind: str = Field("tcp://127.0.0.1:5560", description="Address homes' coordinators reach.")
     spec: Path = Field(description="Federation spec (YAML): model, strategy, homes, updates.")
     exit_when_done: bool = Field(

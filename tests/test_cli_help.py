@@ -46,9 +46,10 @@ def test_a_services_help_shows_no_python_types(
 def test_the_coordinator_does_not_offer_a_coordinator_address(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    text = service_help("coordinator", capsys)
-    assert "--coordinator" not in text
-    assert "--bind" in text
+    for service in ("coordinator", "federation"):  # each binds --bind; none dials a coordinator
+        text = service_help(service, capsys)
+        assert "--coordinator" not in text
+        assert "--bind" in text
     assert "--coordinator" in service_help("worker", capsys)  # a worker does need it
 
 

@@ -49,7 +49,7 @@ def case(*args: str, code: ExitCode, report: bool = False, alone: bool = False) 
     return Case(args, code, report, alone)
 
 
-U, C2 = ExitCode.UNREACHABLE, ExitCode.CONFIG
+U, C2 = ExitCode(4), ExitCode.CONFIG  # 4 by number: the test runs on older code too
 NO_REDIS = "does not read Redis"
 NO_COORD = "does not ask a coordinator"
 NO_FILE = "reads no file"
@@ -412,3 +412,26 @@ def test_a_second_coordinator_on_a_used_port_says_so_in_one_line(places: dict[st
         f"asteroid-coordinator: error: port {port} is in use ({bind}): another coordinator? "
         "stop it, or give this one another --bind (ASTEROID_BIND)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("refusal", "code"),
+    [("invalid", ExitCode.CONFIG), ("no_job", ExitCode.CONFIG), ("failed", ExitCode(3))],
+)
+def test_infer_refused_for_its_input_is_config_not_job_failed(
+    refusal: str,
+    code: ExitCode,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A coordinator's refusal of bad ids is the request's fault (it was 3, as a failed job)."""
+    import services.cli.serve as serve
+    from common.serving_messages import InferReply
+
+    def refused(*args: object, **kwargs: object) -> Iterator[InferReply]:
+        yield InferReply(serve_id="s1", request=1, ok=False, error="no", refusal=refusal)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(serve, "stream_request", refused)
+    done = run_in_process(["infer", "s1", "--ids", "99999", "--coordinator", "tcp://h:1"], capsys)
+    assert done.code == code
+    assert done.stderr.splitlines() == ["error: no"]

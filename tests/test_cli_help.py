@@ -171,3 +171,18 @@ def test_a_hidden_setting_is_still_accepted() -> None:
 
     s = parse_settings(CoordinatorSettings, ["--coordinator", "tcp://10.0.0.1:5555"], "c")
     assert s.coordinator == "tcp://10.0.0.1:5555"
+
+
+def test_a_typod_cluster_file_key_gets_the_closest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = (ROOT / "services/cli/examples/cluster.yaml").read_text()
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text.replace("memory_bytes", "memory_byte"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    args = ["plan", "--cluster", str(path), "--global-batch", "8", "--microbatches", "2"]
+    with pytest.raises(SystemExit) as done:
+        asteroid_main(args)
+    assert done.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "devices.0.memory_byte: unknown key (did you mean 'memory_bytes'?)" in line

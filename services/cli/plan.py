@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-import yaml
 from pydantic import ValidationError
 from rich.table import Table
 
@@ -40,10 +39,10 @@ GiB = 1 << 30
 
 
 def _load_cluster(path: Path) -> ClusterSpec:
-    try:
-        return ClusterSpec.model_validate(yaml.safe_load(path.read_text()))
-    except (OSError, yaml.YAMLError, ValidationError) as exc:
-        raise ConfigError(f"cluster {path} is invalid: {exc}") from exc
+    """The cluster file: one line naming a bad field, an unknown key with the closest one."""
+    from common.spec_files import load_spec_file
+
+    return load_spec_file(path, ClusterSpec, "cluster")
 
 
 def _open_store(redis_url: str | None) -> Store | None:

@@ -263,7 +263,7 @@ def _where(data: Any, loc: tuple[int | str, ...]) -> str:
 
 
 def _message(exc: ValidationError, data: Any) -> str:
-    return validation_message(exc, lambda loc: _where(data, loc))
+    return validation_message(exc, lambda loc: _where(data, loc), Inventory)
 
 
 def parse_inventory(data: Any, source: str = "inventory") -> Inventory:

@@ -59,7 +59,7 @@ def test_an_unreachable_coordinator_is_named(tmp_path):
     dead = f"tcp://127.0.0.1:{free_port()}"
     args = ["train", str(path), "--coordinator", dead, "--reply-timeout", "1"]
     res = CliRunner().invoke(app, args, env={})
-    assert res.exit_code == ExitCode.CONFIG
+    assert res.exit_code == ExitCode.UNREACHABLE
     assert f"no coordinator answered at {dead}" in " ".join(res.output.split())
 
 

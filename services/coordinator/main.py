@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from common.bootstrap import Stop, run_service
 from common.errors import AsteroidError, ConfigError, StoreError
-from common.exit_codes import ExitCode
+from common.exit_codes import ExitCode, exit_code_of
 from common.job import JobSpec, load_job
 from common.logging import get_logger
 from common.messages import PlanRequest
@@ -155,10 +155,10 @@ def run(settings: CoordinatorSettings, stop: Stop | None = None) -> ExitCode:
     try:
         with stop.interrupting():
             coord.raise_fence()
-    except AsteroidError as exc:  # Redis stayed away for redis_outage_s
+    except AsteroidError as exc:  # Redis stayed away for redis_outage_s: UNREACHABLE
         log.error("coordinator cannot start", error=str(exc))
         coord.close()
-        return ExitCode.JOB_FAILED
+        return exit_code_of(exc)
     except KeyboardInterrupt:
         log.info("coordinator stopped")
         coord.close()

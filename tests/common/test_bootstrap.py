@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         (ConfigError("bad"), ExitCode.CONFIG),
         (MissingExtraError("needs the 'plots' extra"), ExitCode.CONFIG),
-        (StoreUnavailable("Redis stayed away"), ExitCode.JOB_FAILED),
+        (StoreUnavailable("Redis stayed away"), ExitCode.UNREACHABLE),
         (StoreError("missing"), ExitCode.JOB_FAILED),
         (AsteroidError("the job could not finish"), ExitCode.JOB_FAILED),
         (KeyboardInterrupt("SIGTERM"), ExitCode.INTERRUPTED),
@@ -55,7 +55,7 @@ def _raising(exc: BaseException):
     [
         (MissingExtraError("a picture needs the 'plots' extra: pip install 'x[plots]'"), 2),
         (ConfigError("stage 2 needs 3.1 GiB,\ndevice nano-1 has 1.5 GiB"), 2),
-        (StoreUnavailable("Redis at redis://u:hunter2@db:6379/0 stayed away"), 3),
+        (StoreUnavailable("Redis at redis://u:hunter2@db:6379/0 stayed away"), 4),
     ],
 )
 def test_an_error_raised_on_purpose_is_one_line_without_traceback(capsys, exc, code):

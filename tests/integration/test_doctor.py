@@ -125,7 +125,7 @@ def test_a_key_set_of_another_cluster_is_named_with_its_fix(
     other = tmp_path / "other"
     _device_keys(other, acl_redis)  # its own coordinator pair: the wrong server key
     code, report, rows = doctor("--coordinator", coordinator.addr, "--keys", str(other), *_ports())
-    assert code == ExitCode.FAILED
+    assert code == ExitCode.DEVICE_FAILED
     assert report["healthy"] is False
     assert rows["coordinator"]["status"] == "ok"  # it is there: only the keys are wrong
     keys = rows["keys"]
@@ -145,7 +145,7 @@ def test_a_key_the_coordinator_lacks_is_named_with_its_fix(
     # the cluster's coordinator key, so the handshake reaches the coordinator's key check
     shutil.copy(tmp_path / "keys/coordinator/coordinator.key", mine / "coordinator")
     code, _, rows = doctor("--coordinator", coordinator.addr, "--keys", str(mine), *_ports())
-    assert code == ExitCode.FAILED
+    assert code == ExitCode.DEVICE_FAILED
     assert rows["keys"]["status"] == "problem"
     assert "refused this device's key (worker:nano-1)" in rows["keys"]["summary"]
     assert rows["keys"]["fix"].startswith(f"scp {mine}/workers/nano-1.key 127.0.0.1:KEYS/workers/")
@@ -158,7 +158,7 @@ def test_a_wrong_redis_password_is_a_refused_login(
     code, _, rows = doctor(
         "--coordinator", coordinator.addr, "--keys", str(tmp_path / "keys"), *_ports()
     )
-    assert code == ExitCode.FAILED
+    assert code == ExitCode.DEVICE_FAILED
     assert rows["keys"]["status"] == "ok"
     redis_row = rows["redis"]
     assert redis_row["status"] == "problem"
@@ -180,7 +180,7 @@ def test_a_redis_that_is_not_there_is_named_and_the_rest_still_checked(
         nowhere,
         *_ports(),
     )
-    assert code == ExitCode.FAILED
+    assert code == ExitCode.DEVICE_FAILED
     assert report["problems"] == 1
     redis_row = rows["redis"]
     assert redis_row["status"] == "problem"
@@ -194,7 +194,7 @@ def test_nothing_there_at_all_is_told_apart_and_redis_gives_the_time(redis_url: 
     """No coordinator listening, a Redis configured directly: its TIME is the clock's reference."""
     nowhere = f"tcp://127.0.0.1:{free_port()}"
     code, _, rows = doctor("--coordinator", nowhere, "--redis-url", redis_url, *_ports())
-    assert code == ExitCode.FAILED
+    assert code == ExitCode.DEVICE_FAILED
     assert rows["coordinator"]["status"] == "problem"
     assert "connection refused" in rows["coordinator"]["summary"]
     assert rows["keys"]["status"] == "skipped"

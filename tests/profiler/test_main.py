@@ -99,10 +99,10 @@ def test_unknown_model_and_bad_options_exit_with_config(run_main):
     assert "is not key=value" in stderr
 
 
-def test_unreachable_redis_exits_with_failed(capsys):
+def test_unreachable_redis_exits_with_unreachable(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--redis-url", "redis://127.0.0.1:1/0", "--log-format", "json", *QUICK])
-    assert exit_info.value.code == ExitCode.JOB_FAILED
+    assert exit_info.value.code == ExitCode.UNREACHABLE
     assert "does not answer" in capsys.readouterr().err
 
 

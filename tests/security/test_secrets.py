@@ -281,7 +281,7 @@ def test_profiler_reports_unreachable_redis_without_the_password(
     c.spawn("profiler", ["-m", "services.profiler.main", "--model", "mlp", *quick])
     code = c.wait("profiler", 120)
     out = _output(c, "profiler")
-    assert code == ExitCode.JOB_FAILED, out
+    assert code == ExitCode.UNREACHABLE, out
     errors = [e for e in c.log_events("profiler") if e.get("event") == "profiling failed"]
     assert errors, out
     assert f"Redis at {mask_url(url)} does not answer" in str(errors[0]["error"])
@@ -345,6 +345,6 @@ def test_status_hides_a_password_given_as_a_url_parameter(dead: tuple[LocalClust
     c.spawn("cli", ["-m", "services.cli", "status", "--redis-url", url])
     code = c.wait("cli", 60)
     out = _output(c, "cli")
-    assert code == ExitCode.FAILED, out
+    assert code == ExitCode.UNREACHABLE, out
     assert mask_url(url).endswith(f"/0?password={MASK}")
     assert f"error: Redis at {mask_url(url)} does not answer" in out

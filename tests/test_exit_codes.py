@@ -193,7 +193,13 @@ ROWS: dict[str, dict[str, Case | str]] = {
         "argument": case("../x", "--redis-url", "{R}", code=C2),
         "file": NO_FILE,
     },
-    # "dashboard": {...}: `asteroid dashboard` gets its row here when it is added to the app
+    # `asteroid dashboard`, once services/cli/__init__.py adds it, needs this row (uncomment):
+    # "dashboard": {
+    #     "redis": case("--redis-url", "{R}", "--port", "0", code=U),
+    #     "coordinator": case("--coordinator", "{C}", "--port", "0", code=U),
+    #     "argument": case("--port", "70000", code=C2),
+    #     "file": NO_FILE,
+    # },
     "testbed up": {
         "redis": "starts its own Redis",
         "coordinator": "starts its own coordinator",

@@ -196,7 +196,7 @@ ROWS: dict[str, dict[str, Case | str]] = {
     # `asteroid dashboard`, once services/cli/__init__.py adds it, needs this row (uncomment):
     # "dashboard": {
     #     "redis": case("--redis-url", "{R}", "--port", "0", code=U),
-    #     "coordinator": case("--coordinator", "{C}", "--port", "0", code=U),
+    #     "coordinator": "asks 10 s where Redis is, with a progress line (then 4, as `redis`)",
     #     "argument": case("--port", "70000", code=C2),
     #     "file": NO_FILE,
     # },

@@ -37,6 +37,7 @@ PAGES = (
     "federation.md",
     "training.md",
     "configuration.md",
+    "dashboard.md",
     "benchmarks.md",
     "troubleshooting.md",
 )

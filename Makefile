@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic bench-galaxy bench-fl bench-fl-homes bench-async bench-duanwu bench-duanwu-split images test-compose test-arm64 deploy deploy-status undeploy check clean
+.PHONY: help install demo test test-slow fuzz lint fmt typecheck bench bench-edge bench-recovery bench-adapt bench-elastic bench-galaxy bench-fl bench-fl-homes bench-async bench-duanwu bench-duanwu-split bench-cli images test-compose test-arm64 deploy deploy-status undeploy check clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-11s %s\n", $$1, $$2}'
@@ -59,6 +59,9 @@ bench:  ## benchmarks: transport (+CURVE), planner speed, simulated planners, he
 	$(BIN)/python -m tests.bench.bench_simulation --out bench-results/simulation
 	$(BIN)/python -m tests.bench.bench_flood --out bench-results/flood
 	$(BIN)/python -m tests.bench.bench_inbound --out bench-results/inbound
+
+bench-cli:  ## CLI cold start (--version, status, cancel, infer --help) against e500fc9; table in bench-results/cli/
+	$(BIN)/python -m tests.bench.bench_cli_start --out bench-results/cli
 
 bench-edge:  ## real training on the emulated edge testbed (root): planners side by side
 	$(BIN)/python -m tests.bench.bench_edge --out bench-results/edge --memory-case

@@ -193,13 +193,12 @@ ROWS: dict[str, dict[str, Case | str]] = {
         "argument": case("../x", "--redis-url", "{R}", code=C2),
         "file": NO_FILE,
     },
-    # `asteroid dashboard`, once services/cli/__init__.py adds it, needs this row (uncomment):
-    # "dashboard": {
-    #     "redis": case("--redis-url", "{R}", "--port", "0", code=U),
-    #     "coordinator": "asks 10 s where Redis is, with a progress line (then 4, as `redis`)",
-    #     "argument": case("--port", "70000", code=C2),
-    #     "file": NO_FILE,
-    # },
+    "dashboard": {
+        "redis": case("--redis-url", "{R}", "--port", "0", code=U),
+        "coordinator": "asks 10 s where Redis is, with a progress line (then 4, as `redis`)",
+        "argument": case("--port", "70000", code=C2),
+        "file": NO_FILE,
+    },
     "testbed up": {
         "redis": "starts its own Redis",
         "coordinator": "starts its own coordinator",

@@ -21,6 +21,7 @@ from common.cli_args import error_line, is_settings_error
 from common.exit_codes import ExitCode
 from common.extras import MissingExtraError
 from common.version import VERSION
+from services.cli import dashboard as dashboard_cmd
 from services.cli import deploy as deploy_cmd
 from services.cli import doctor as doctor_cmd
 from services.cli import federation as federation_cmd
@@ -85,6 +86,7 @@ app.command()(join_cmd.join)
 app.command()(doctor_cmd.doctor)
 app.command()(metrics.export_metrics)
 app.command()(federation_cmd.federation)
+app.command()(dashboard_cmd.dashboard)
 app.add_typer(testbed_cmd.app, name="testbed")
 app.add_typer(keys.app, name="keys")
 app.add_typer(deploy_cmd.app, name="deploy")

@@ -49,7 +49,9 @@ def _open_store(redis_url: str | None) -> Store | None:
     """A Store on the cluster's Redis when one answers within seconds, else None.
 
     Where: the option, else ASTEROID_*, else the running local cluster. Only stored
-    profiles need it, so a cluster that cannot be found means: none listed.
+    profiles need it, so a cluster that cannot be found means: none listed. A Redis
+    that was named (option, variable or local cluster) and does not answer is an
+    error, though: "unknown profile" would hide the reason.
     """
     from common.local_cluster import resolve_settings
 
@@ -62,6 +64,8 @@ def _open_store(redis_url: str | None) -> Store | None:
         store.ping()
     except StoreError:
         store.close()
+        if "redis_url" in settings.model_fields_set:
+            raise
         return None
     return store
 

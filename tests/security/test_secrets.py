@@ -267,7 +267,7 @@ def test_cli_plan_from_redis_says_redis_is_unreachable(dead: tuple[LocalCluster,
     c.spawn("plan", ["-m", "services.cli", "plan", "--cluster", str(spec), *sizes])
     code = c.wait("plan", 60)
     out = _output(c, "plan")
-    assert code == ExitCode.FAILED, out
+    assert code == ExitCode.UNREACHABLE, out
     assert "does not answer" in out
     assert "Traceback" not in out
 

@@ -3,7 +3,8 @@
 Turns a cluster file a person writes (devices named by a profile: a shipped
 device kind, `here`, or a fingerprint in Redis; see `plan_profiles`) into a plan
 with any planner, prints it next to the simulator's verdict, and can draw the
-simulated schedule.
+simulated schedule. The planners, the simulator and the store load when a plan
+is made: every `asteroid` start imports this module to register the command.
 """
 
 from __future__ import annotations
@@ -13,33 +14,36 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from pydantic import ValidationError
 from rich.table import Table
 
-from common.errors import ConfigError, PlanError, StoreError
+from common.errors import ConfigError
 from common.exit_codes import ExitCode
-from common.plan import Plan
-from common.profile import ClusterSpec, Profile
-from common.store import Store
 from services.cli.console import CliConsole
 from services.cli.failure import fail
 from services.cli.jobs import RedisOpt
-from services.planner.base import check_memory
-from services.planner.cost import CostModel
-from services.planner.registry import PLANNERS, get_planner
-from services.planner.simulator import SimResult, simulate
 
 if TYPE_CHECKING:
+    from common.plan import Plan
+    from common.profile import ClusterSpec, Profile
+    from common.store import Store
     from common.zoo import ModelSpec
+    from services.planner.cost import CostModel
+    from services.planner.simulator import SimResult
 
-__all__ = ["plan", "plan_table"]
+__all__ = ["PLANNER_NAMES", "plan", "plan_table"]
 
 console = CliConsole()
 GiB = 1 << 30
+PLANNER_NAMES = ("asteroid", "dapple", "dp", "duanwu", "gpipe", "hetpipe", "optimal", "pipedream")
+"""`services.planner.registry.PLANNERS`'s names, sorted, for `--help` without loading the planners.
+
+A test holds the two equal.
+"""
 
 
 def _load_cluster(path: Path) -> ClusterSpec:
     """The cluster file: one line naming a bad field, an unknown key with the closest one."""
+    from common.profile import ClusterSpec
     from common.spec_files import load_spec_file
 
     return load_spec_file(path, ClusterSpec, "cluster")
@@ -53,7 +57,9 @@ def _open_store(redis_url: str | None) -> Store | None:
     that was named (option, variable or local cluster) and does not answer is an
     error, though: "unknown profile" would hide the reason.
     """
+    from common.errors import StoreError
     from common.local_cluster import resolve_settings
+    from common.store import Store
 
     try:
         settings = resolve_settings(redis_url=redis_url)
@@ -71,6 +77,8 @@ def _open_store(redis_url: str | None) -> Store | None:
 
 
 def _model(name: str) -> ModelSpec:
+    from pydantic import ValidationError
+
     from common.zoo import ModelSpec  # torch comes with the zoo: not for --help
 
     try:
@@ -81,6 +89,8 @@ def _model(name: str) -> ModelSpec:
 
 def _from_files(files: list[Path]) -> dict[str, Profile]:
     """Profiles from JSON files, keyed by file stem (a device's `profile:` names a stem)."""
+    from common.profile import Profile
+
     out = {}
     for f in files:
         try:
@@ -170,7 +180,7 @@ def plan(
     model: Annotated[
         str, typer.Option(help="Zoo model the devices' profiles describe.")
     ] = "small_cnn",
-    planner: Annotated[str, typer.Option(help=f"One of: {', '.join(sorted(PLANNERS))}.")] = (
+    planner: Annotated[str, typer.Option(help=f"One of: {', '.join(PLANNER_NAMES)}.")] = (
         "asteroid"
     ),
     profile: Annotated[
@@ -192,6 +202,11 @@ def plan(
     Each device's `profile:` is a device kind, `here` (this machine, measured now)
     or a fingerprint profiled into Redis: `asteroid plan --list-profiles` lists them.
     """
+    from common.errors import PlanError, StoreError
+    from services.planner.cost import CostModel
+    from services.planner.registry import get_planner
+    from services.planner.simulator import simulate
+
     try:
         if list_profiles:
             _list_profiles(model, redis_url)
@@ -201,11 +216,12 @@ def plan(
                 "give --cluster, --global-batch and --microbatches "
                 "(asteroid examples writes a cluster.yaml to start from)"
             )
+        chosen = get_planner(planner)  # a bad name is refused before profiles are looked up
         spec = _load_cluster(cluster)
         micro = -(-global_batch // microbatches)
         profiles = _from_files(profile) if profile else _profiles(spec, model, micro, redis_url)
         cost = CostModel(profiles, spec)
-        made = get_planner(planner).plan(cost, global_batch, microbatches)
+        made = chosen.plan(cost, global_batch, microbatches)
     except (ConfigError, PlanError) as exc:
         raise fail(exc, ExitCode.CONFIG) from exc  # one line on stderr
     except StoreError as exc:
@@ -229,6 +245,11 @@ def plan(
 
 
 def _compare(cost: CostModel, global_batch: int, microbatches: int) -> None:
+    from common.errors import PlanError
+    from services.planner.base import check_memory
+    from services.planner.registry import PLANNERS, get_planner
+    from services.planner.simulator import simulate
+
     table = Table(title="planners side by side (simulated)")
     for col in ("planner", "stages", "round ms", "samples/s", "fits memory"):
         table.add_column(col)

@@ -23,7 +23,7 @@ from rich.console import Console
 from common.curve import CurveKeys, create_key_set
 from common.errors import ConfigError
 from common.exit_codes import ExitCode
-from services.cli.doctor import pick_keys
+from services.cli.doctor.checks import pick_keys
 from services.cli.doctor.clock import CLOCK_TOLERANCE_S, clock_check
 from services.cli.doctor.coordinator import Visit, coordinator_checks, reach_of
 from services.cli.doctor.host import NVIDIA_DRIVER, TEGRA_RELEASE, accelerator_check, extras_check

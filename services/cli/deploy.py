@@ -6,6 +6,8 @@ device's services; `down` removes our containers, files and shipped images;
 `env` prints the settings this machine's `asteroid` commands use the deployed
 cluster with. Exit codes: CONFIG for a bad inventory, key set or missing
 image; DEVICE_FAILED when a device is unreachable or a step on it fails.
+The deploy engine (ssh, tar, the inventory's YAML) is imported by the commands
+that use it: every `asteroid` start imports this module to register them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import re
 import shlex
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -24,8 +26,9 @@ from common.exit_codes import ExitCode
 from common.version import VERSION
 from services.cli.console import CliConsole
 from services.cli.failure import fail
-from services.deploy.apply import Deployment, operator_env, read_key_set
-from services.deploy.inventory import load_inventory
+
+if TYPE_CHECKING:
+    from services.deploy.apply import Deployment
 
 __all__ = ["app"]
 
@@ -52,6 +55,9 @@ AclOpt = Annotated[
 
 
 def _deployment(inventory: Path, keys: Path, tag: str, redis_acl: Path) -> Deployment:
+    from services.deploy.apply import Deployment
+    from services.deploy.inventory import load_inventory
+
     if not _TAG.fullmatch(tag):
         raise ConfigError(f"image tag {tag!r} must be 1-128 letters, digits, '_', '.', '-'")
     try:
@@ -94,6 +100,8 @@ def status(
     redis_acl: AclOpt = ACL_TEMPLATE,
 ) -> None:
     """Each device's services: running or not, health, image version, current config."""
+    from services.deploy.inventory import load_inventory
+
     try:
         rows = _deployment(inventory, keys, tag, redis_acl).status()
     except AsteroidError as exc:
@@ -130,6 +138,9 @@ def env(inventory: InventoryOpt, keys: KeysOpt) -> None:
 
     They hold the operator's Redis password: eval them, do not paste them anywhere.
     """
+    from services.deploy.apply import operator_env, read_key_set
+    from services.deploy.inventory import load_inventory
+
     try:
         settings = operator_env(load_inventory(inventory), read_key_set(keys), keys)
     except AsteroidError as exc:

@@ -13,7 +13,6 @@ from typing import Annotated
 
 import typer
 
-from common.curve import FOLDERS, create_key_set
 from common.errors import ConfigError
 from common.exit_codes import ExitCode
 
@@ -41,6 +40,8 @@ def init(
     secret file only; delete a NAME.key on the coordinator and workers to
     revoke that key.
     """
+    from common.curve import FOLDERS, create_key_set  # ZeroMQ: not at every `asteroid` start
+
     try:
         made = create_key_set(directory, worker or (), service or (), operator or ())
     except (ConfigError, OSError) as exc:

@@ -154,3 +154,30 @@ def test_the_probe_sees_torch_when_it_is_imported(tmp_path: Path) -> None:
     report, _ = _run(tmp_path, "module", "common.zoo._registry", [])
     assert report["torch"] is True
     assert "common/zoo/_registry.py" in _chain(report)
+
+
+LAZY = ("services.deploy", "services.planner", "services.cli.doctor.checks", "zmq", "yaml")
+"""What only some commands use (deploy's ssh and YAML, the planners, doctor's probes and
+ZeroMQ): each command imports it when it runs, not every `asteroid` start."""
+
+
+def test_the_cli_starts_without_what_only_some_commands_use() -> None:
+    code = (
+        "import json, sys, services.cli; "
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {LAZY!r} "
+        f"or any(m == p or m.startswith(p + '.') for p in {LAZY!r}))))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASTEROID_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [], "import services.cli imported these"
+
+
+def test_plan_help_names_every_planner_of_the_registry() -> None:
+    """`asteroid plan --help` lists the planners without importing them: the two lists agree."""
+    from services.cli.plan import PLANNER_NAMES
+    from services.planner.registry import PLANNERS
+
+    assert list(PLANNER_NAMES) == sorted(PLANNERS)

@@ -5,6 +5,8 @@ answer `--version` alike and refuse a bad flag alike: one line on stderr
 naming the flag (and its variable), what was expected and what was given,
 then exit code 2 (`ExitCode.CONFIG`), never a traceback. The `asteroid`
 command uses the same wording for settings it builds from its options.
+pydantic-settings and the settings themselves are imported by the functions that
+use them: `asteroid` imports this module at every start, for its error lines.
 """
 
 from __future__ import annotations
@@ -15,18 +17,18 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, NoReturn, TypeVar, cast
 
 from pydantic import ValidationError
-from pydantic.fields import FieldInfo
-from pydantic_core import ErrorDetails
-from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsError
 
 from common.exit_codes import ExitCode
 from common.secrets import mask_text
-from common.settings import CommonSettings
-from common.units import parse_bytes, parse_bytes_per_s
 from common.version import VERSION
+
+if TYPE_CHECKING:
+    from pydantic.fields import FieldInfo
+    from pydantic_core import ErrorDetails
+    from pydantic_settings import BaseSettings, SettingsError
 
 __all__ = [
     "error_line",
@@ -37,9 +39,8 @@ __all__ = [
     "tidy_help",
 ]
 
-S = TypeVar("S", bound=BaseSettings)
+S = TypeVar("S", bound="BaseSettings")
 
-_ENV_PREFIX = str(CommonSettings.model_config.get("env_prefix", ""))
 _MAX_SHOWN = 80
 """Longest given value quoted back; flags are hostile input too and the line stays one line."""
 _METAVARS: dict[object, str] = {str: "TEXT", int: "N", float: "NUMBER", Path: "PATH"}
@@ -52,6 +53,8 @@ def parse_settings(cls: type[S], argv: Sequence[str] | None, prog: str) -> S:
     the fields. A flag or variable that does not validate ends the process
     through `exit_with_error`.
     """
+    from pydantic_settings import CliApp, CliSettingsSource, SettingsError
+
     args = list(sys.argv[1:] if argv is None else argv)
     source: CliSettingsSource[object] = CliSettingsSource(
         cls, cli_prog_name=prog, cli_exit_on_error=False
@@ -75,6 +78,8 @@ def metavar(field: FieldInfo) -> str | None:
     pydantic-settings writes the type (`{Path,null}`, `tuple[str,...]`, `int` for a
     byte count that takes `2GB`); None leaves a switch or a choice as it is.
     """
+    from common.units import parse_bytes, parse_bytes_per_s
+
     kind = field.annotation
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 1:
@@ -124,12 +129,14 @@ def exit_with_error(prog: str, exc: SettingsError | ValidationError) -> NoReturn
 
 def is_settings_error(exc: ValidationError) -> bool:
     """Whether `exc` came from validating settings (flags, variables), not data or messages."""
+    from common.settings import CommonSettings
+
     return exc.title in {c.__name__ for c in _settings_classes(CommonSettings)}
 
 
 def error_line(exc: SettingsError | ValidationError) -> str:
     """One line naming each bad flag, what it expects and (credentials hidden) what it got."""
-    if isinstance(exc, SettingsError):
+    if not isinstance(exc, ValidationError):  # pydantic-settings' own (a flag it cannot parse)
         text = str(exc).removeprefix("error parsing CLI: ")
     else:
         text = "; ".join(_describe(err) for err in exc.errors(include_url=False))
@@ -147,8 +154,11 @@ def _describe(err: ErrorDetails) -> str:
         message += f" (got {_shown(str(given))!r})"
     if not loc:
         return message
+    from common.settings import CommonSettings
+
     name = loc[0]
-    where = f"--{name.replace('_', '-')} ({_ENV_PREFIX}{name.upper()})"
+    prefix = str(CommonSettings.model_config.get("env_prefix", ""))
+    where = f"--{name.replace('_', '-')} ({prefix}{name.upper()})"
     return f"{where}{''.join(f'[{p}]' for p in loc[1:])}: {message}"
 
 

@@ -28,7 +28,6 @@ import typer
 from common.entry_points import service_command
 from common.errors import ConfigError
 from common.exit_codes import ExitCode
-from common.settings import AcceleratorChoice
 from services.cli.failure import fail
 
 __all__ = ["Outcome", "child_commands", "join", "outcome"]
@@ -54,6 +53,8 @@ def check_address(address: str) -> str:
 
 def check_accelerator(value: str | None) -> str | None:
     """`--accelerator`: one of the values the worker and the profiler take, else a usage error."""
+    from common.settings import AcceleratorChoice  # pydantic-settings: when a command runs
+
     choices = get_args(AcceleratorChoice)
     if value is not None and value not in choices:
         raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}")

@@ -3,27 +3,26 @@
 Writes the files the coordinator's `metrics_dir` streams while a job trains,
 laid out the same way (`common.metrics_files`), from the job's `metrics`
 stream: any time later, for any job Redis still holds, running or ended.
-Nothing here loads torch until a command runs (TensorBoard's writer does).
+Nothing here loads torch until a command runs (TensorBoard's writer does), nor
+redis and the file writers: every `asteroid` start imports this module.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
 
 from common.errors import AsteroidError, ConfigError, StoreError, StoreUnavailable
 from common.exit_codes import ExitCode
-from common.metrics_export import scalars
-from common.metrics_files import CsvLog, EventLog, csv_path, events_dir
-from common.records.jobs import read_job
-from common.records.metrics import read_metrics
-from common.store import OUTAGE, Store
 from services.cli import failure
 from services.cli.console import CliConsole
 from services.cli.jobs import ClusterOpt, RedisOpt, store_from
+
+if TYPE_CHECKING:
+    from common.store import Store
 
 __all__ = ["FORMATS", "export_metrics", "parse_formats", "read_records"]
 
@@ -58,6 +57,8 @@ def read_records(store: Store, job_id: str) -> list[dict[str, Any]]:
     A record written before records carried their `time` gets its stream
     entry's (see `common.records.metrics.read_metrics`).
     """
+    from common.records.metrics import read_metrics
+
     return [entry.fields() for entry in read_metrics(store, job_id)]
 
 
@@ -78,6 +79,9 @@ def export_metrics(
     shows them with `tensorboard --logdir DIR`, one run per job.
     """
     from common.job import check_job_id  # it loads torch: not for `asteroid --help`
+    from common.metrics_export import scalars
+    from common.records.jobs import read_job
+    from common.store import OUTAGE
 
     try:
         check_job_id(job_id, "the command line")
@@ -123,6 +127,8 @@ def export_metrics(
 
 def _write(out: Path, job_id: str, records: list[dict[str, Any]], formats: list[str]) -> list[str]:
     """Write the files `formats` name; where they went."""
+    from common.metrics_files import CsvLog, EventLog, csv_path, events_dir
+
     wrote = []
     if "tensorboard" in formats:
         log = EventLog(events_dir(out, job_id), start=0, fresh=True)

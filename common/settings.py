@@ -1,6 +1,6 @@
 """Settings of every service, from `ASTEROID_*` variables, overridden by flags.
 
-Each field has a default and a description so that `--help` and the README's
+Each field has a default and a description so that `--help` and docs/configuration.md's
 configuration table are generated from one place.
 """
 

@@ -2,8 +2,7 @@
 
 It reads the cluster's Redis and nothing else, and writes nothing: as many
 dashboards as people may run beside a cluster without changing it. The HTTP
-server (uvicorn) runs on a thread of its own, so the stop (SIGTERM, Ctrl-C)
-stays the main thread's, as in the gateway. `asteroid dashboard` runs the
+server runs as the gateway's does (`services.lib.http_serve`). `asteroid dashboard` runs the
 same `serve` in the foreground with the local cluster found for it.
 
 Exit codes: 0 stopped by SIGTERM/SIGINT; 2 invalid settings or a port taken;
@@ -13,39 +12,28 @@ Exit codes: 0 stopped by SIGTERM/SIGINT; 2 invalid settings or a port taken;
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
 
 from common.bootstrap import Stop, run_service
 from common.curve import is_loopback, load_keys
-from common.errors import AsteroidError, ConfigError
+from common.errors import AsteroidError
 from common.exit_codes import ExitCode
 from common.extras import require
 from common.locate import with_redis
 from common.logging import get_logger
 from common.store import Store
 from services.dashboard.settings import DashboardSettings
+from services.lib.http_serve import serve_http
 
 __all__ = ["main", "serve"]
 
 log = get_logger(__name__)
 
-POLL_S = 0.2
-"""How often the main thread looks at the HTTP server's thread."""
-STOP_GRACE_S = 5.0
+STOP_GRACE_S = 5
 """Longest the HTTP server may take to finish its requests after a stop."""
 REDIS_TIMEOUT_S = 5.0
 """Bound on one Redis command: a page waits no longer for an answer."""
-
-
-def _bound_port(server: Any, fallback: int) -> int:
-    """The port uvicorn listens on (the one the system chose for port 0)."""
-    for srv in getattr(server, "servers", []) or []:
-        for sock in getattr(srv, "sockets", []) or []:
-            return int(sock.getsockname()[1])
-    return fallback
 
 
 class _Stopped(Exception):
@@ -56,14 +44,6 @@ def _idle(stop: Stop, seconds: float) -> None:
     """Wait `seconds` between two tries to reach Redis, or end the wait at the stop."""
     if stop.event.wait(seconds):
         raise _Stopped
-
-
-def _run(server: Any) -> None:
-    """Run uvicorn's server; its exit when it cannot listen is reported by the main thread."""
-    try:
-        server.run()
-    except SystemExit:  # uvicorn's answer to an address it cannot bind (it logs why)
-        return
 
 
 def serve(
@@ -86,7 +66,7 @@ def serve(
         ConfigError: The address cannot be listened on (taken, or not this machine's).
 
     """
-    uvicorn: Any = require("uvicorn", "the dashboard", "dashboard")
+    require("uvicorn", "the dashboard", "dashboard")
     require("starlette", "the dashboard", "dashboard")
     require("prometheus_client", "the dashboard", "dashboard")
     from services.dashboard.app import create_app
@@ -113,38 +93,17 @@ def serve(
         store.close()
         raise
     reader = ClusterReader(store, settings.cluster, settings.stale_s())
-    config = uvicorn.Config(
-        create_app(reader, loopback_only=loopback),
-        host=host,
-        port=port,
-        log_config=None,
-        access_log=False,
-        lifespan="off",
-        timeout_graceful_shutdown=STOP_GRACE_S,
-    )
-    server = uvicorn.Server(config)
-    stop.on_stop(lambda _signal: setattr(server, "should_exit", True))
-    thread = threading.Thread(target=_run, args=(server,), name="http", daemon=True)
-    thread.start()
-    url = None
+
+    def listening(url: str) -> None:
+        log.info("dashboard listening", url=url, redis=store.where, cluster=reader.cluster)
+        if on_listening is not None:
+            on_listening(url)
+
+    app = create_app(reader, loopback_only=loopback)
     try:
-        while thread.is_alive():
-            thread.join(POLL_S)
-            if server.started and url is None:
-                shown = f"[{host}]" if ":" in host else host
-                url = f"http://{shown}:{_bound_port(server, port)}/"
-                log.info("dashboard listening", url=url, redis=store.where, cluster=reader.cluster)
-                if on_listening is not None:
-                    on_listening(url)
+        serve_http(app, host, port, stop, STOP_GRACE_S, "the dashboard", listening)
     finally:
-        server.should_exit = True
-        thread.join(STOP_GRACE_S)
         store.close()
-    if url is None:
-        raise ConfigError(
-            f"the dashboard could not listen on {host}:{port} (taken, or not an address of "
-            "this machine?)"
-        )
     log.info("dashboard stopped", signal=stop.signal)
     return ExitCode.OK
 

@@ -1,8 +1,8 @@
 """`asteroid-gateway`: serve the running serving job over OpenAI's HTTP API until stopped.
 
-The HTTP server (uvicorn) runs on a thread of its own, so the service's stop
-(`common.bootstrap.Stop`: SIGTERM, Ctrl-C) stays the main thread's and ends it
-cleanly: requests in flight finish, then the server closes.
+The HTTP server runs on a thread of its own (`services.lib.http_serve`), so the
+service's stop (SIGTERM, Ctrl-C) ends it cleanly: requests in flight finish,
+then the server closes.
 
 Exit codes: 0 stopped by SIGTERM/SIGINT after serving; 2 invalid settings (no
 API key for an address beyond loopback, a --keys directory without an operator
@@ -12,10 +12,8 @@ key, a port taken); 130 a second signal (`common.exit_codes.ExitCode`).
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import Any
 
 from common.bootstrap import Stop, run_service
 from common.curve import CurveKeys, is_loopback, load_keys
@@ -30,14 +28,13 @@ from services.gateway.app import Limits, create_app
 from services.gateway.backend import Gate, Infer, Streamer
 from services.gateway.served import Resolver, find_served
 from services.gateway.settings import GatewaySettings
+from services.lib.http_serve import serve_http
 
 __all__ = ["coordinator_infer", "main"]
 
 log = get_logger(__name__)
 
-POLL_S = 0.2
-"""How often the main thread looks at the HTTP server's thread."""
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 10
 """Longest the HTTP server may take to finish its requests after a stop (then they are cut)."""
 
 
@@ -52,7 +49,7 @@ def coordinator_infer(address: str, keys: CurveKeys | None) -> Infer:
 
 
 def _serve(settings: GatewaySettings, stop: Stop) -> ExitCode:
-    uvicorn: Any = require("uvicorn", "the gateway")
+    require("uvicorn", "the gateway")
     require("starlette", "the gateway")
     keys = load_keys(settings.keys, "operator", settings.operator)
     api_keys = settings.api_keys()
@@ -75,37 +72,16 @@ def _serve(settings: GatewaySettings, stop: Stop) -> ExitCode:
         default_max_tokens=settings.default_max_tokens,
     )
     app = create_app(streamer, Resolver(find), limits)
-    config = uvicorn.Config(
-        app,
-        host=settings.http_host,
-        port=settings.http_port,
-        log_config=None,
-        access_log=False,
-        lifespan="off",
-        timeout_graceful_shutdown=STOP_GRACE_S,
-    )
-    server = uvicorn.Server(config)
-    stop.on_stop(lambda _signal: setattr(server, "should_exit", True))
-    # off the main thread uvicorn leaves the signals alone: they stay the service's
-    thread = threading.Thread(target=server.run, name="http", daemon=True)
-    thread.start()
-    announced = False
+
+    def listening(url: str) -> None:
+        log.info("gateway listening", url=url, coordinator=settings.coordinator,
+                 queue=settings.max_requests)  # fmt: skip
+
     try:
-        while thread.is_alive():
-            thread.join(POLL_S)
-            if server.started and not announced:
-                announced = True
-                log.info("gateway listening", host=settings.http_host, port=settings.http_port,
-                         coordinator=settings.coordinator, queue=settings.max_requests)  # fmt: skip
+        serve_http(app, settings.http_host, settings.http_port, stop, STOP_GRACE_S,
+                   "the gateway", listening)  # fmt: skip
     finally:
-        server.should_exit = True
-        thread.join(STOP_GRACE_S)
         streamer.close()
-    if not announced:
-        raise ConfigError(
-            f"the gateway could not listen on {settings.http_host}:{settings.http_port} (taken, "
-            "or not an address of this machine?)"
-        )
     log.info("gateway stopped", signal=stop.signal)
     return ExitCode.OK
 

@@ -31,6 +31,7 @@ from common.embedded_redis import EmbeddedRedis
 from common.errors import AsteroidError, ConfigError, validation_message
 from common.local_cluster import (
     LocalCluster,
+    StateClaim,
     claim_state_dir,
     default_state_dir,
     tcp_listening,
@@ -117,21 +118,26 @@ def _local_cluster(
         LocalStack(workers, logs, url, cluster, threads) as stack,
     ):
         _wait_listening(stack)
-        try:
-            here = LocalCluster(
-                coordinator=stack.coordinator,
-                redis_url=stack.redis_url,
-                cluster=stack.cluster,
-                pid=os.getpid(),
-                state_dir=folder,
-                started_at=time.time(),
-            )
-        except ValidationError as exc:  # a --cluster or --redis-url other commands cannot use
-            raise ConfigError(
-                f"other commands could not find this cluster: {validation_message(exc)}"
-            ) from None
-        claim.publish(here)
+        _publish(claim, stack, folder)
         yield stack
+
+
+def _publish(claim: StateClaim, stack: LocalStack, folder: Path) -> None:
+    """Write where `stack` is into the claimed folder's cluster file, for other commands."""
+    try:
+        here = LocalCluster(
+            coordinator=stack.coordinator,
+            redis_url=stack.redis_url,
+            cluster=stack.cluster,
+            pid=os.getpid(),
+            state_dir=folder,
+            started_at=time.time(),
+        )
+    except ValidationError as exc:  # a --cluster or --redis-url other commands cannot use
+        raise ConfigError(
+            f"other commands could not find this cluster: {validation_message(exc)}"
+        ) from None
+    claim.publish(here)
 
 
 def _submit_hint(stack: LocalStack, state_dir: Path | None) -> str:
@@ -215,8 +221,11 @@ def _up_homes(
             "--job and --redis-url do not go with it"
         )
     folder = state_dir or default_state_dir()
-    with claim_state_dir(folder):
-        up_homes(homes, workers, threads, logs, folder / "redis")
+    with claim_state_dir(folder) as claim:  # other commands find home 0 (`status`, `federation`)
+        up_homes(
+            homes, workers, threads, logs, folder / "redis",
+            publish=lambda stack: _publish(claim, stack, folder),
+        )  # fmt: skip
 
 
 def demo(

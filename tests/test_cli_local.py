@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import yaml
@@ -238,9 +241,23 @@ def test_up_homes_runs_the_federation_holding_the_state_folder(
 
     calls = []
 
-    def fake(homes: int, workers: int, threads: int, logs: Path, state_dir: Path | None) -> None:
+    def fake(
+        homes: int,
+        workers: int,
+        threads: int,
+        logs: Path,
+        state_dir: Path | None,
+        publish: Callable[[Any], object],
+    ) -> None:
         with pytest.raises(StateDirBusy), claim_state_dir(state):  # held while the homes run
             pass
+        home0 = SimpleNamespace(
+            coordinator="tcp://127.0.0.1:40001", redis_url="redis://127.0.0.1:40002/0",
+            cluster="home-0",
+        )  # fmt: skip
+        publish(home0)
+        found = find_local_cluster(state)
+        assert found is not None and found.cluster == "home-0"  # status finds home 0
         calls.append((homes, workers, threads, logs, state_dir))
 
     monkeypatch.setattr(services.cli.homes, "up_homes", fake)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from common.errors import ConfigError
+from common.errors import ConfigError, StoreError
 from common.exit_codes import ExitCode
 from services.cli.console import CliConsole
 from services.cli.failure import fail
@@ -49,30 +49,26 @@ def _load_cluster(path: Path) -> ClusterSpec:
     return load_spec_file(path, ClusterSpec, "cluster")
 
 
-def _open_store(redis_url: str | None) -> Store | None:
-    """A Store on the cluster's Redis when one answers within seconds, else None.
+def _open_store(redis_url: str | None) -> Store | StoreError:
+    """A Store on the cluster's Redis when one answers within seconds, else why not.
 
     Where: the option, else ASTEROID_*, else the running local cluster. Only stored
-    profiles need it, so a cluster that cannot be found means: none listed. A Redis
-    that was named (option, variable or local cluster) and does not answer is an
-    error, though: "unknown profile" would hide the reason.
+    profiles need it, so a Redis that does not answer means: none listed (and a
+    name found nowhere else says so, see `_profiles`).
     """
-    from common.errors import StoreError
     from common.local_cluster import resolve_settings
     from common.store import Store
 
     try:
         settings = resolve_settings(redis_url=redis_url)
-    except ConfigError:
-        return None
+    except ConfigError as exc:
+        return StoreError(str(exc))
     store = Store(settings.redis_url, settings.cluster, timeout_s=5.0, connect_timeout_s=2.0)
     try:
         store.ping()
-    except StoreError:
+    except StoreError as exc:
         store.close()
-        if "redis_url" in settings.model_fields_set:
-            raise
-        return None
+        return exc
     return store
 
 
@@ -105,7 +101,13 @@ def _profiles(
 ) -> dict[str, Profile]:
     """Each profile name the cluster's devices give, resolved (see `plan_profiles`)."""
     # the testbed's device kinds come with the testbed package: only for a plan
-    from services.cli.plan_profiles import HERE, KINDS, known_names, resolve_profiles
+    from services.cli.plan_profiles import (
+        HERE,
+        KINDS,
+        UnknownProfile,
+        known_names,
+        resolve_profiles,
+    )
 
     wanted: dict[str, str] = {}
     for d in cluster.devices:
@@ -114,11 +116,16 @@ def _profiles(
             raise ConfigError(f"device {d.name} names no profile; give one of: {names}")
         wanted.setdefault(d.profile, d.name)
     spec = _model(model)
-    store = None
+    opened: Store | StoreError | None = None
     if any(name not in KINDS and name != HERE for name in wanted):
-        store = _open_store(redis_url)
+        opened = _open_store(redis_url)
+    store = None if isinstance(opened, StoreError) else opened
     try:
         return resolve_profiles(wanted, spec, micro, store)
+    except UnknownProfile as exc:
+        if not isinstance(opened, StoreError) or exc.close:
+            raise  # a typo of a known name, or Redis was read: the name is wrong
+        raise StoreError(f"{exc}; and {opened}, so profiles stored there were not read") from exc
     finally:
         if store is not None:
             store.close()
@@ -130,7 +137,8 @@ def _list_profiles(model: str, redis_url: str | None) -> None:
     from services.cli.plan_profiles import known_names, stored_fingerprints
 
     key = model_key(_model(model))
-    store = _open_store(redis_url)
+    opened = _open_store(redis_url)
+    store = None if isinstance(opened, StoreError) else opened
     stored = [] if store is None else stored_fingerprints(store, key)
     if store is not None:
         store.close()
@@ -202,7 +210,7 @@ def plan(
     Each device's `profile:` is a device kind, `here` (this machine, measured now)
     or a fingerprint profiled into Redis: `asteroid plan --list-profiles` lists them.
     """
-    from common.errors import PlanError, StoreError
+    from common.errors import PlanError
     from services.planner.cost import CostModel
     from services.planner.registry import get_planner
     from services.planner.simulator import simulate

@@ -34,6 +34,7 @@ __all__ = [
     "HERE",
     "KINDS",
     "ProfileName",
+    "UnknownProfile",
     "estimated_profile",
     "kind_slug",
     "measured_here",
@@ -82,12 +83,20 @@ def known_names(stored: Iterable[str] = ()) -> list[ProfileName]:
     return out
 
 
-def unknown_profile(name: str, device: str, names: list[str]) -> ConfigError:
+class UnknownProfile(ConfigError):
+    """A device's profile name that is no kind, not `here` and not stored; `close`: the nearest."""
+
+    def __init__(self, message: str, close: list[str]) -> None:
+        super().__init__(message)
+        self.close = close
+
+
+def unknown_profile(name: str, device: str, names: list[str]) -> UnknownProfile:
     """One line: the unknown name, the closest known ones, and all of them."""
     close = difflib.get_close_matches(name, names, n=2, cutoff=0.5)
     hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-    return ConfigError(
-        f"device {device}: unknown profile {name!r}{hint}; known: {', '.join(names)}"
+    return UnknownProfile(
+        f"device {device}: unknown profile {name!r}{hint}; known: {', '.join(names)}", close
     )
 
 

@@ -156,9 +156,19 @@ def test_the_probe_sees_torch_when_it_is_imported(tmp_path: Path) -> None:
     assert "common/zoo/_registry.py" in _chain(report)
 
 
-LAZY = ("services.deploy", "services.planner", "services.cli.doctor.checks", "zmq", "yaml")
-"""What only some commands use (deploy's ssh and YAML, the planners, doctor's probes and
-ZeroMQ): each command imports it when it runs, not every `asteroid` start."""
+LAZY = (
+    "services.deploy",
+    "services.planner",
+    "services.cli.doctor.checks",
+    "zmq",
+    "yaml",
+    "redis",
+    "structlog",
+    "pydantic_settings",
+)
+"""What only some commands use (deploy's ssh and YAML, the planners, doctor's probes,
+ZeroMQ, Redis, the services' logging and settings): each command imports it when it
+runs, not every `asteroid` start."""
 
 
 def test_the_cli_starts_without_what_only_some_commands_use() -> None:

@@ -13,12 +13,11 @@ from typing import Annotated
 
 import typer
 
-from common.bootstrap import Stop
 from common.errors import AsteroidError
 from common.exit_codes import ExitCode
 from services.cli.console import CliConsole
 from services.cli.failure import fail
-from services.dashboard.settings import DEFAULT_PORT, DashboardSettings
+from services.dashboard import DEFAULT_PORT
 
 __all__ = ["LOCATE_PATIENCE_S", "dashboard"]
 
@@ -51,8 +50,10 @@ def dashboard(
     ] = None,
 ) -> None:
     """Show the running cluster in a web page (devices, plan, rounds, events) and /metrics."""
+    from common.bootstrap import Stop
     from common.local_cluster import resolve_settings
     from services.dashboard.main import serve
+    from services.dashboard.settings import DashboardSettings
 
     try:
         common = resolve_settings(coordinator, redis_url, cluster)

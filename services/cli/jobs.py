@@ -6,8 +6,9 @@ ASTEROID_* variables, else the cluster `asteroid up` runs on this machine
 (`common.local_cluster.resolve`); with none of these and nothing answering at
 the defaults, a command says so at once instead of waiting out a timeout.
 A bad job spec is refused before anything is sent, with one error naming the
-field. What pulls in torch (job specs, the wire codec, weight export) is
-imported inside the commands, so `asteroid --help` does not load it.
+field. What pulls in torch (job specs, the wire codec, weight export), and what only
+some commands need (redis, the settings) is imported inside the commands, so
+every `asteroid` start, `--help` included, loads neither.
 """
 
 from __future__ import annotations
@@ -29,15 +30,14 @@ from common.errors import (
 )
 from common.exit_codes import ExitCode
 from common.ids import DeviceId, check_job_id
-from common.local_cluster import Resolved, resolve, tcp_listening
-from common.records.devices import DeviceRecord, read_devices, shown_state
-from common.records.jobs import read_job, recent_jobs
-from common.settings import CommonSettings, CoordinatorSettings
-from common.store import Store
 from services.cli.console import CliConsole, shown
 from services.cli.failure import fail
 
 if TYPE_CHECKING:
+    from common.local_cluster import Resolved
+    from common.records.devices import DeviceRecord
+    from common.settings import CommonSettings
+    from common.store import Store
     from services.cli.follow import JobView
 
 __all__ = [
@@ -86,6 +86,8 @@ class NoClusterFound(Unreachable):
 
 def _resolve(coordinator: str | None, redis_url: str | None, cluster: str | None) -> Resolved:
     """`resolve`, or the CLI's exit (CONFIG) when the local cluster's file is unusable."""
+    from common.local_cluster import resolve
+
     try:
         return resolve(coordinator, redis_url, cluster)
     except ConfigError as exc:
@@ -99,6 +101,8 @@ def _nothing_named(res: Resolved) -> bool:
 
 def _coordinator(res: Resolved) -> str:
     """The coordinator to ask; NoClusterFound at once when none is named and none listens."""
+    from common.local_cluster import tcp_listening
+
     address = res.settings.coordinator
     if res.origin["coordinator"] == "default" and tcp_listening(address) is False:
         raise NoClusterFound
@@ -116,10 +120,14 @@ def store_from(redis_url: str | None, cluster: str | None, coordinator: str | No
     coordinator says where Redis is, and the key set's `operator` password
     logs in (`common.locate`); with neither, the default URL is used.
     """
+    from common.local_cluster import resolve
+
     return _store(resolve(coordinator, redis_url, cluster).settings)
 
 
 def _store(s: CommonSettings) -> Store:
+    from common.store import Store
+
     if "redis_url" not in s.model_fields_set and {"coordinator", "keys"} & s.model_fields_set:
         from common.curve import load_keys
         from common.locate import with_redis
@@ -289,6 +297,8 @@ def heartbeat_limits(s: CommonSettings) -> tuple[float, float]:
     heartbeats and forgets one after device_expiry_s (its defaults; the
     heartbeat interval as this command's settings say).
     """
+    from common.settings import CoordinatorSettings
+
     fields = CoordinatorSettings.model_fields
     silent = s.heartbeat_s * float(fields["heartbeat_misses"].default)
     return silent, max(float(fields["device_expiry_s"].default), silent)
@@ -304,6 +314,9 @@ def devices_table(
     A device silent for too long shows "silent" or "stale" (`shown_state`),
     not the state its last heartbeat claimed.
     """
+    from common.records.devices import read_devices, shown_state
+    from common.settings import CommonSettings
+
     silent_s, stale_s = limits or heartbeat_limits(CommonSettings())
     now = time.time()
     table = Table(title="devices")
@@ -326,6 +339,8 @@ def devices_table(
 
 def jobs_table(store: Store, only: str | None = None, jobs: Sequence[str] | None = None) -> Table:
     """Jobs, newest first: state, progress, loss, held-out accuracy, samples/s."""
+    from common.records.jobs import read_job, recent_jobs
+
     table = Table(title="jobs")
     for col in ("job", "state", "round", "loss", "held-out acc", "samples/s", "note"):
         table.add_column(col)
@@ -359,6 +374,9 @@ def status(
     and how to look elsewhere: a wrong prefix or URL otherwise looks exactly
     like a cluster with nothing in it.
     """
+    from common.records.devices import read_devices
+    from common.records.jobs import recent_jobs
+
     try:
         if job is not None:
             check_job_id(job, "the command line")
@@ -405,6 +423,7 @@ def export(
 ) -> None:
     """Write a job's checkpointed weights to a file plain PyTorch loads into the zoo model."""
     from common.job import check_job_id
+    from common.local_cluster import resolve
     from services.lib.export import export_weights
 
     try:

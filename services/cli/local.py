@@ -11,8 +11,8 @@ folder's lock and says in its cluster file where the cluster is
 (`common.local_cluster`): every other CLI command finds it from there, and a
 second `up` on the same folder refuses instead of loading the live AOF.
 
-Imports that pull in torch wait inside the commands, so `asteroid --help`
-stays quick on a small device.
+Imports that pull in torch, redis or the settings wait inside the functions, so
+`asteroid --help` and every other command stay quick on a small device.
 """
 
 from __future__ import annotations
@@ -27,24 +27,17 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from pydantic import ValidationError
 
-from common.embedded_redis import EmbeddedRedis
 from common.errors import AsteroidError, ConfigError, validation_message
-from common.local_cluster import (
-    LocalCluster,
-    StateClaim,
-    claim_state_dir,
-    default_state_dir,
-    tcp_listening,
-)
 from common.secrets import mask_url
 from services.cli.console import CliConsole, shown
 from services.cli.example_files import DEMO_JOB, example_path
 from services.cli.foreground import STOP, foreground
-from services.launcher import LocalStack
 
 if TYPE_CHECKING:
     from common.job import JobSpec
+    from common.local_cluster import StateClaim
     from common.store import Store
+    from services.launcher import LocalStack
 
 __all__ = ["demo", "up"]
 
@@ -74,6 +67,8 @@ LISTEN_PATIENCE_S = 60.0
 @contextlib.contextmanager
 def _redis(redis_url: str | None, folder: Path) -> Iterator[str]:
     """The Redis URL to use: `redis_url`, else an embedded Redis persisting to `folder`/redis."""
+    from common.embedded_redis import EmbeddedRedis
+
     if redis_url is not None:
         yield redis_url
         return
@@ -84,6 +79,8 @@ def _redis(redis_url: str | None, folder: Path) -> Iterator[str]:
 
 def _wait_listening(stack: LocalStack) -> None:
     """Return once the coordinator accepts connections; a service that died raises."""
+    from common.local_cluster import tcp_listening
+
     deadline = time.monotonic() + LISTEN_PATIENCE_S
     while not tcp_listening(stack.coordinator, 0.5):
         stack.check()
@@ -111,6 +108,9 @@ def _local_cluster(
     The lock comes first: a second `up` on the folder must refuse before its
     Redis loads the first one's append-only file.
     """
+    from common.local_cluster import claim_state_dir, default_state_dir
+    from services.launcher import LocalStack
+
     folder = state_dir or default_state_dir()
     with (
         claim_state_dir(folder) as claim,
@@ -124,6 +124,8 @@ def _local_cluster(
 
 def _publish(claim: StateClaim, stack: LocalStack, folder: Path) -> None:
     """Write where `stack` is into the claimed folder's cluster file, for other commands."""
+    from common.local_cluster import LocalCluster
+
     try:
         here = LocalCluster(
             coordinator=stack.coordinator,
@@ -146,6 +148,8 @@ def _submit_hint(stack: LocalStack, state_dir: Path | None) -> str:
     With the default state folder every command finds the cluster by itself;
     with another one it must be told where the cluster is.
     """
+    from common.local_cluster import default_state_dir
+
     if state_dir is None or state_dir.resolve() == default_state_dir().resolve():
         return "submit with: asteroid train JOB.yaml (from another terminal; status too)"
     return (
@@ -213,6 +217,7 @@ def _up_homes(
     Its embedded Redis keeps its data where a plain `up`'s would (STATE/redis),
     so the lock keeps the two from sharing a live append-only file.
     """
+    from common.local_cluster import claim_state_dir, default_state_dir
     from services.cli.homes import up_homes
 
     if job is not None or redis_url is not None:

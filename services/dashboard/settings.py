@@ -5,11 +5,9 @@ from __future__ import annotations
 from pydantic import Field
 
 from common.settings import CommonSettings, CoordinatorSettings
+from services.dashboard import DEFAULT_PORT
 
 __all__ = ["DEFAULT_PORT", "DashboardSettings"]
-
-DEFAULT_PORT = 8050
-"""The dashboard's usual port (the gateway's is 8000)."""
 
 
 class DashboardSettings(CommonSettings):

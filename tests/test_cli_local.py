@@ -38,6 +38,7 @@ from common.local_cluster import (
 from common.records.devices import DeviceRecord, shown_state
 from common.store import Store
 from services.cli import app, jobs
+from services.cli.example_files import example_path
 
 JOB = {
     "job_id": "j",
@@ -268,3 +269,20 @@ def test_up_homes_runs_the_federation_holding_the_state_folder(
     assert calls == [(3, 2, 1, logs, state / "redis")]
     res = CliRunner().invoke(app, [*args, "--job", str(tmp_path / "job.yaml")])
     assert res.exit_code == ExitCode.CONFIG and "--homes" in res.output, res.output
+
+
+def test_serve_and_infer_ask_the_local_cluster(state: Path, tmp_path: Path):
+    """Not the default port 5555: the coordinator the local cluster's file names."""
+    spec = tmp_path / "serve.yaml"
+    with example_path("serve-gpt2.yaml") as shipped:
+        spec.write_text(shipped.read_text())
+    with claim_state_dir() as claim:
+        claim.publish(_cluster(state, coordinator="tcp://127.0.0.1:4569"))
+        for args in (
+            ["serve", str(spec), "--reply-timeout", "0.2"],
+            ["infer", "gpt2", "--ids", "1,2", "--timeout", "0.2"],
+        ):
+            res = CliRunner().invoke(app, args)
+            out = " ".join(res.output.split())
+            assert res.exit_code == int(ExitCode.UNREACHABLE), (args, out)
+            assert "tcp://127.0.0.1:4569" in out, (args, out)

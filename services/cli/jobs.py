@@ -44,6 +44,7 @@ __all__ = [
     "NO_CLUSTER",
     "NoClusterFound",
     "cancel",
+    "coordinator_of",
     "drain",
     "export",
     "open_store",
@@ -107,6 +108,16 @@ def _coordinator(res: Resolved) -> str:
     if res.origin["coordinator"] == "default" and tcp_listening(address) is False:
         raise NoClusterFound
     return address
+
+
+def coordinator_of(coordinator: str | None) -> str:
+    """The coordinator a command asks: the option, ASTEROID_COORDINATOR, the local cluster.
+
+    Raises:
+        NoClusterFound: At once, when none of them names one and none listens at the default.
+
+    """
+    return _coordinator(_resolve(coordinator, None, None))
 
 
 LOCATE_PATIENCE_S = 10.0

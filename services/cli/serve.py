@@ -25,6 +25,7 @@ from common.errors import AsteroidError, ConfigError
 from common.exit_codes import ExitCode
 from services.cli.console import CliConsole, shown
 from services.cli.failure import fail as _fail
+from services.cli.jobs import coordinator_of
 
 if TYPE_CHECKING:
     from common.curve import CurveKeys
@@ -44,7 +45,9 @@ console = CliConsole()
 
 CoordinatorOpt = Annotated[
     str | None,
-    typer.Option(help="Coordinator control address (default: ASTEROID_COORDINATOR)."),
+    typer.Option(
+        help="Coordinator control address (default: ASTEROID_COORDINATOR, else the local cluster)."
+    ),
 ]
 
 
@@ -174,12 +177,6 @@ _INPUT_REFUSALS = ("invalid", "no_job")
 """Refusals of an infer request that are the request's fault (exit CONFIG, not JOB_FAILED)."""
 
 
-def _coordinator(address: str | None) -> str:
-    from common.settings import CommonSettings
-
-    return address or CommonSettings().coordinator
-
-
 def serve(
     spec_file: Annotated[Path, typer.Argument(help="Serving spec (YAML).", metavar="SERVE.yaml")],
     coordinator: CoordinatorOpt = None,
@@ -189,9 +186,9 @@ def serve(
     from common.serving_messages import ServeModel
     from services.cli.client import ask_coordinator
 
-    address = _coordinator(coordinator)
     try:
         spec = load_serve_spec(spec_file)
+        address = coordinator_of(coordinator)
         reply = ask_coordinator(address, ServeModel(spec=spec), reply_timeout)
     except AsteroidError as exc:
         raise _fail(exc) from exc
@@ -268,7 +265,7 @@ def infer(
         else:
             tokens = text.encode(prompt or "") if text else list((prompt or "").encode())
         answers = stream_request(
-            _coordinator(coordinator),
+            coordinator_of(coordinator),
             serve_id,
             tokens,
             generate,

@@ -63,11 +63,16 @@ class LinkProber:
     ) -> None:
         self.ctx, self.device, self.keys, self.reply = ctx, device, keys, reply
         self._thread: threading.Thread | None = None
+        self._running = threading.Event()
 
     @property
     def busy(self) -> bool:
-        """A measurement is under way."""
-        return self._thread is not None and self._thread.is_alive()
+        """A measurement is under way.
+
+        Not the thread's liveness: the thread sends its answer before it ends, and
+        the coordinator's next request may arrive in between (a loaded machine).
+        """
+        return self._running.is_set()
 
     def start(self, req: MeasureLinks) -> None:
         """Measure `req` in the background, or refuse it at once if one is under way."""
@@ -81,13 +86,18 @@ class LinkProber:
                 )
             )
             return
+        self._running.set()
         self._thread = threading.Thread(
             target=self._run, args=(req,), name="link-prober", daemon=True
         )
         self._thread.start()
 
     def _run(self, req: MeasureLinks) -> None:
-        self.reply(measure(self.ctx, self.device, req, self.keys))
+        try:
+            answer = measure(self.ctx, self.device, req, self.keys)
+        finally:
+            self._running.clear()  # free before the answer goes: the next request may follow it
+        self.reply(answer)
 
     def join(self, timeout_s: float) -> None:
         """Wait (bounded) for a measurement under way."""

@@ -13,6 +13,7 @@ import zmq
 from common.curve import CurveKeys, create_key_set
 from common.ids import DeviceId
 from common.messages import LinksMeasured, MeasureLinks, Message
+from services.worker import links
 from services.worker.bandwidth import BandwidthSink
 from services.worker.links import LinkProber, measure
 
@@ -47,16 +48,16 @@ def test_with_keys_the_probe_is_a_curve_client_of_the_targets_sink(ctx, tmp_path
     assert set(got.rates) == {B} and not got.errors
 
 
-def test_the_prober_answers_later_and_refuses_a_second_measurement_meanwhile(ctx):
+def test_the_prober_answers_later_and_refuses_a_second_measurement_meanwhile(ctx, monkeypatch):
     replies: queue.Queue[Message] = queue.Queue()
     gate = threading.Event()
 
-    def reply(msg: Message) -> None:
-        if isinstance(msg, LinksMeasured) and msg.nonce == 1:
-            gate.wait(10)  # the first measurement stays under way until the second is refused
-        replies.put(msg)
+    def held(*args: Any) -> LinksMeasured:
+        gate.wait(10)  # the first measurement stays under way until the second is refused
+        return measure(*args)
 
-    prober = LinkProber(ctx, A, None, reply)
+    monkeypatch.setattr(links, "measure", held)
+    prober = LinkProber(ctx, A, None, replies.put)
     with BandwidthSink(ctx) as sink:
         prober.start(_req({B: sink.endpoint}, nonce=1))
         assert prober.busy
@@ -70,3 +71,22 @@ def test_the_prober_answers_later_and_refuses_a_second_measurement_meanwhile(ctx
     assert set(refused.errors) == {B, C} and "under way" in refused.errors[B]
     assert done.nonce == 1 and set(done.rates) == {B}
     assert not prober.busy
+
+
+def test_the_request_that_follows_an_answer_at_once_is_measured(ctx):
+    """The coordinator may send the next pair as soon as the answer arrives, before the
+    prober's thread has ended: that request is measured, not refused as under way."""
+    replies: queue.Queue[Message] = queue.Queue()
+    with BandwidthSink(ctx) as sink:
+
+        def reply(msg: Message) -> None:
+            replies.put(msg)
+            if isinstance(msg, LinksMeasured) and msg.nonce == 1:
+                prober.start(_req({B: sink.endpoint}, nonce=2))  # still on the first's thread
+
+        prober = LinkProber(ctx, A, None, reply)
+        prober.start(_req({B: sink.endpoint}, nonce=1))
+        first, second = replies.get(timeout=20), replies.get(timeout=20)
+        prober.join(10)
+    assert isinstance(first, LinksMeasured) and isinstance(second, LinksMeasured)
+    assert second.nonce == 2 and not second.errors and set(second.rates) == {B}

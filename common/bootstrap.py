@@ -33,7 +33,7 @@ from common.logging import configure_logging, get_logger
 from common.secrets import mask_text
 from common.settings import CommonSettings
 
-__all__ = ["SIGNALS", "Stop", "exit_code_of", "run_service"]
+__all__ = ["SIGNALS", "Stop", "exit_code_of", "run_service", "stopping_on_signals"]
 
 S = TypeVar("S", bound=CommonSettings)
 
@@ -126,9 +126,9 @@ def run_service(
         return 0 if done.code is None else done.code if isinstance(done.code, int) else 1
     configure_logging(settings.log_level, settings.log_format, service=name)
     stop = Stop(prog)
-    previous = _install(stop.handle)
     try:
-        return int(body(settings, stop))
+        with stopping_on_signals(stop):
+            return int(body(settings, stop))
     except KeyboardInterrupt as exc:  # a signal inside `interrupting` the body did not catch
         log.info("stopped", signal=str(exc) or stop.signal)
         return int(ExitCode.INTERRUPTED)
@@ -139,11 +139,23 @@ def run_service(
         lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
         sys.stderr.write(mask_text("".join(lines)))
         return int(ExitCode.FAILED)
-    finally:
-        _restore(previous)
 
 
 _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
+
+
+@contextlib.contextmanager
+def stopping_on_signals(stop: Stop) -> Iterator[None]:
+    """SIGTERM and SIGINT set `stop` inside the block; the previous handlers come back after.
+
+    Every service's `run_service`, and a command that runs a service's body in the
+    foreground (`asteroid dashboard`).
+    """
+    previous = _install(stop.handle)
+    try:
+        yield
+    finally:
+        _restore(previous)
 
 
 def _install(handler: Callable[[int, FrameType | None], None]) -> dict[int, _Handler]:

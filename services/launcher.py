@@ -21,11 +21,25 @@ from common.errors import AsteroidError
 from common.ports import free_port
 from common.procs import spawn, stop_all
 
-__all__ = ["LocalStack", "ServiceDied", "service_env"]
+__all__ = ["LocalStack", "ServiceDied", "check_alive", "log_tail", "service_env"]
 
 
 class ServiceDied(AsteroidError):
     """A service of the local stack exited on its own; the message has its log's tail."""
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last `lines` lines of a process's log file ("(no log)" when it has none)."""
+    if not path.exists():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def check_alive(name: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Raise ServiceDied naming `name`, with its log's tail, if `proc` has exited."""
+    code = proc.poll()
+    if code is not None:
+        raise ServiceDied(f"{name} exited with code {code}:\n{log_tail(log)}")
 
 
 def service_env(
@@ -114,16 +128,11 @@ class LocalStack:
     def check(self) -> None:
         """Raise ServiceDied if any service exited."""
         for name, p in self.procs.items():
-            code = p.poll()
-            if code is not None:
-                raise ServiceDied(f"{name} exited with code {code}:\n{self.tail(name)}")
+            check_alive(name, p, self.log_dir / f"{name}.log")
 
     def tail(self, name: str, lines: int = 15) -> str:
         """The last lines of a service's log."""
-        path = self.log_dir / f"{name}.log"
-        if not path.exists():
-            return "(no log)"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return log_tail(self.log_dir / f"{name}.log", lines)
 
     def pids(self) -> list[int]:
         """Process ids of every child, Redis included."""

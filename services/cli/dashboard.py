@@ -8,7 +8,6 @@ Prometheus's ``/metrics`` are `services.dashboard`'s.
 
 from __future__ import annotations
 
-import signal
 from typing import Annotated
 
 import typer
@@ -50,7 +49,7 @@ def dashboard(
     ] = None,
 ) -> None:
     """Show the running cluster in a web page (devices, plan, rounds, events) and /metrics."""
-    from common.bootstrap import Stop
+    from common.bootstrap import Stop, stopping_on_signals
     from common.local_cluster import resolve_settings
     from services.dashboard.main import serve
     from services.dashboard.settings import DashboardSettings
@@ -62,7 +61,6 @@ def dashboard(
     except AsteroidError as exc:
         raise fail(exc) from None
     stop = Stop("asteroid dashboard")
-    previous = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def listening(url: str) -> None:
         # one line, never wrapped: a person copies the address out of it
@@ -70,11 +68,9 @@ def dashboard(
         console.print(line, soft_wrap=True, highlight=False)
 
     try:
-        # as `status`: Redis answers at once, a coordinator says where it is within 10 s
-        code = serve(settings, stop, listening, 0.0, LOCATE_PATIENCE_S)
+        with stopping_on_signals(stop):
+            # as `status`: Redis answers at once, a coordinator says where it is within 10 s
+            code = serve(settings, stop, listening, 0.0, LOCATE_PATIENCE_S)
     except AsteroidError as exc:
         raise fail(exc) from None
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     raise typer.Exit(int(code if stop.signal is None else ExitCode.OK))

@@ -27,7 +27,7 @@ from common.store import Store
 from services.cli.console import CliConsole
 from services.cli.example_files import example_path
 from services.cli.foreground import STOP
-from services.launcher import LocalStack, ServiceDied, service_env
+from services.launcher import LocalStack, check_alive, service_env
 
 __all__ = ["FEDERATION_PREFIX", "fitted_files", "home_prefix", "up_homes"]
 
@@ -175,9 +175,7 @@ def up_homes(
         store = stack.enter_context(contextlib.closing(Store(redis.url, FEDERATION_PREFIX)))
         last = ""
         while not STOP.is_set():
-            if fed.poll() is not None:
-                tail = "\n".join((logs / "federation.log").read_text().splitlines()[-15:])
-                raise ServiceDied(f"the federation exited with code {fed.returncode}:\n{tail}")
+            check_alive("the federation", fed, logs / "federation.log")
             for home in homes_up:
                 home.check()
             last = _progress(store, fid, last)

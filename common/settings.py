@@ -288,14 +288,37 @@ class CoordinatorSettings(CommonSettings):
     heartbeat_misses: int = Field(
         6,
         ge=1,
-        description="Missed heartbeats after which a worker of the running job is a suspect "
-        "and is probed (dead only if the probe goes unanswered).",
+        description="Upper bound, in heartbeats, on the silence after which a worker of the "
+        "running job is a suspect and is probed (dead only if the probe goes unanswered); "
+        "the deadline in force follows the measured heartbeat gaps (derive_timeouts).",
     )
     probe_timeout_s: float = Field(
         2.0,
         gt=0,
-        description="Longest wait for a suspect's answer to a direct probe before it is "
-        "declared dead.",
+        description="Upper bound on the wait for a suspect's answer to a direct probe before "
+        "it is declared dead; the wait in force follows measured round trips.",
+    )
+    flap_grace_s: float = Field(
+        1.0,
+        gt=0,
+        le=600,
+        description="Upper bound on how long a worker whose connection closed may take to "
+        "come back before that counts as a loss (a flaky link is not one); the grace in "
+        "force follows measured round trips, at least 0.3 s.",
+    )
+    peer_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=86400,
+        description="Upper bound on how long a worker waits for a neighbour's data before it "
+        "reports the neighbour silent; the wait in force is 3 rounds as measured (or as "
+        "the plan predicts), at least 1 s.",
+    )
+    derive_timeouts: bool = Field(
+        True,
+        description="Derive the timeouts in force from measured heartbeat gaps, round trips "
+        "and round times, with the settings above as upper bounds (off: the settings as "
+        "they are); `asteroid status` shows them.",
     )
     hung_min_s: float = Field(
         30.0,

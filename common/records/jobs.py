@@ -42,7 +42,7 @@ RECENT_JOBS = 50
 WAITING_NAMED = 8
 """How many of the vetted devices a wait for workers names (the others are counted)."""
 
-_JOB_KEYS = ("job", "events", "metrics", "plan", "cluster")
+_JOB_KEYS = ("job", "events", "metrics", "plan", "cluster", "timeouts")
 """A job's exact keys besides its checkpoints and spec: what `forget_job` deletes."""
 
 

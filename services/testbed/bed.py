@@ -119,6 +119,8 @@ class Testbed:
         threads: int = 1,
         heartbeat_s: float = 0.5,
         stop: threading.Event | None = None,
+        redis_dir: Path | None = None,
+        spare: Sequence[str] = (),
     ) -> None:
         """Describe the testbed; nothing is created before `up`.
 
@@ -132,6 +134,11 @@ class Testbed:
             stop: Set by a signal handler to stop `up`: a KeyboardInterrupt
                 raised while Python runs its at-fork handlers (at every
                 subprocess start) is swallowed there, so `up` also checks this.
+            redis_dir: With a folder, Redis keeps an append-only file there
+                (`appendonly yes`), so a Redis killed mid-run starts again from
+                it (`services.testbed.chaos`); without, nothing is persisted.
+            spare: Devices whose worker and profiler `up` does not start: they
+                join later (`start_device`), as a device switched on mid-job.
 
         """
         self.spec, self.log_dir = spec, log_dir
@@ -147,6 +154,11 @@ class Testbed:
         self._killed: set[str] = set()
         self._owner: dict[str, str] = {}  # process name -> device it runs in
         self._touched = False
+        self.redis_dir = redis_dir
+        self.spare = {spec.device(d).name for d in spare}
+        self.coordinator_args: list[str] = []
+        """Extra coordinator arguments (e.g. `--job FILE`), for `start_coordinator`."""
+        self._gone: set[str] = set()  # processes stopped on purpose (not by device)
 
     # --- what the services and tests need -------------------------------------
 
@@ -277,27 +289,44 @@ class Testbed:
         """Redis, coordinator and planner on the host side; a worker and a profiler per device."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._make_keys()
-        self._redis = EmbeddedRedis(host=self.bridge).__enter__()
+        self._redis = self._new_redis(0).__enter__()
         self._coordinator = f"tcp://{self.bridge}:{_free_port(self.bridge)}"
+        self.start_coordinator()
+        self.procs["planner"] = spawn(
+            service_command("planner"), self.env(), self.log_dir / "planner.log"
+        )
+        self._check_stop()
+        for dev in self.devices:
+            if dev not in self.spare:
+                self.start_device(dev)
+                self._check_stop()
+
+    def _new_redis(self, port: int) -> EmbeddedRedis:
+        """The testbed's Redis on the bridge (at `port`, 0: a free one), AOF in `redis_dir`."""
+        return EmbeddedRedis(host=self.bridge, port=port, state_dir=self.redis_dir)
+
+    def start_coordinator(self, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        """Start the coordinator at its address, with `coordinator_args` and `extra`.
+
+        Its log is appended to, so a restarted coordinator's lines follow the
+        killed one's.
+        """
         spec_file = self.log_dir / "cluster-spec.yaml"
         planned = cluster_spec(self.spec)
         spec_file.write_text(yaml.safe_dump(planned.model_dump(mode="json")))
         coordinator = [*service_command("coordinator"), "--bind", self.coordinator]
         coordinator += ["--redis-url", self.redis_url, "--cluster-spec", str(spec_file)]
-        for name, cmd in (
-            ("coordinator", coordinator),
-            ("planner", service_command("planner")),
-        ):
-            self.procs[name] = spawn(cmd, self.env(), self.log_dir / f"{name}.log")
-            self._check_stop()
-        for dev in self.devices:
-            self.start_worker(dev)
-            profiler = [*service_command("profiler"), "--serve", "--coordinator", self.coordinator]
-            profiler += ["--keys", str(self.profiler_keys())]
-            self.start(
-                dev, f"{dev}.profiler", [*profiler, "--redis-url", self.redis_url], "profiler"
-            )
-            self._check_stop()
+        cmd = [*coordinator, *self.coordinator_args, *extra]
+        self._gone.discard("coordinator")
+        self.procs["coordinator"] = spawn(cmd, self.env(), self.log_dir / "coordinator.log")
+        return self.procs["coordinator"]
+
+    def start_device(self, dev: str) -> None:
+        """Start device `dev`'s worker and profiler (at `up`, or when a spare device joins)."""
+        self.start_worker(dev)
+        profiler = [*service_command("profiler"), "--serve", "--coordinator", self.coordinator]
+        profiler += ["--keys", str(self.profiler_keys())]
+        self.start(dev, f"{dev}.profiler", [*profiler, "--redis-url", self.redis_url], "profiler")
 
     def start_worker(self, dev: str) -> subprocess.Popen[bytes]:
         """Start (or, after a crash or an out-of-memory kill, restart) device `dev`'s worker.
@@ -384,7 +413,7 @@ class Testbed:
 
         """
         deadline = time.monotonic() + timeout_s
-        want = set(self.devices)
+        want = set(self.devices) - self.spare
         while True:
             self._check_stop()
             self.check()
@@ -450,6 +479,8 @@ class Testbed:
         """Raise ServiceDied if a process exited on its own (killed devices excepted)."""
         for name, proc in self.procs.items():
             code = proc.poll()
+            if name in self._gone:
+                continue
             if code is not None and self._owner.get(name) not in self._killed:
                 raise ServiceDied(f"{name} exited with code {code}:\n{self.tail(name)}")
 

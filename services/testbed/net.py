@@ -59,6 +59,8 @@ __all__ = [
     "forward_tag",
     "host_veth",
     "link_commands",
+    "link_is_up",
+    "link_state_commands",
     "link_summary",
     "link_tag",
     "list_forward_rules",
@@ -307,6 +309,22 @@ def link_commands(
         *shaping_commands(NS_IFACE, netns_name(tag, device), *args),
         *shaping_commands(host_veth(tag, index), None, *args),
     ]
+
+
+def link_state_commands(netns: str, up: bool) -> list[Cmd]:
+    """Set a device's end of its link (``eth0`` in `netns`) administratively up or down.
+
+    Down, the kernel drops what the device sends and its veth peer loses carrier;
+    the device's address stays, and its connected route comes back when it is up.
+    """
+    return [["ip", "-n", netns, "link", "set", NS_IFACE, "up" if up else "down"]]
+
+
+def link_is_up(netns: str) -> bool:
+    """Whether ``eth0`` in `netns` is administratively up (its flags carry UP)."""
+    out = run(["ip", "-n", netns, "-o", "link", "show", NS_IFACE])
+    flags = re.search(r"<([^>]*)>", out)
+    return flags is not None and "UP" in flags.group(1).split(",")
 
 
 def delete_commands(netns: Sequence[str], links: Sequence[str]) -> list[Cmd]:

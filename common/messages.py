@@ -64,6 +64,7 @@ __all__ = [
     "LocateRedis",
     "MeasureLinks",
     "Message",
+    "PeerDown",
     "PlanReply",
     "PlanRequest",
     "Probe",
@@ -85,7 +86,7 @@ __all__ = [
     "message_adapter",
 ]
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """2: Assign names no Redis; each worker uses its own URL, so no credentials travel.
 3: the coordinator probes suspects (Probe, ProbeReply); heartbeats carry progress.
 4: replicas and layer migration (LayerState, ReplicaSaved, Collect; RunRound keeps
@@ -97,7 +98,9 @@ and the probe's own LinkHello, LinkReady, LinkData, LinkDone).
 7: serving (`common.serving_messages`): a model planned and loaded across devices answers
 inference requests; its ring's tiles travel as HmpTile.
 8: federated learning (`common.federation_messages`): homes' coordinators and the
-federation service (JoinFederation, FetchModel, FederatedModel, HomeUpdate, FederationReply)."""
+federation service (JoinFederation, FetchModel, FederatedModel, HomeUpdate, FederationReply).
+9: workers report a lost neighbour (PeerDown); an Assign may bound how long a worker
+waits for a neighbour's data before it says so (peer_timeout_s)."""
 
 MAX_LAYERS = 100_000
 """Most layers a message may name: far above any model, so only a hostile list hits it."""
@@ -129,6 +132,10 @@ MAX_ADDR_CHARS = 256
 """Longest address or host name a heartbeat may carry."""
 FINGERPRINT_PATTERN = r"^[A-Za-z0-9_.+-]{0,160}$"
 """A device fingerprint (`common.device.device_fingerprint`): short, log-safe."""
+MAX_PEER_WAIT_S = 1e6
+"""A PeerDown's `waited_s` is below this: about eleven days, beyond any round."""
+MAX_PEER_TIMEOUT_S = 1e5
+"""Longest neighbour timeout a coordinator may set (about a day); beyond it, none is meant."""
 
 
 # --- control plane: worker -> coordinator ---------------------------------
@@ -322,6 +329,30 @@ class LinksMeasured(WireModel):
     )
 
 
+class PeerDown(WireModel):
+    """Evidence that `peer`, a neighbour of `device` in plan `epoch`, is lost (or is back).
+
+    "disconnected": the data connection to the peer closed (its process died,
+    so the kernel closed its sockets); "reconnected": it came back after one;
+    "silent": `device` waited `waited_s` for the peer's data, longer than the
+    Assign's `peer_timeout_s`. Evidence only: the coordinator decides a loss
+    (a connection that comes back within its grace is none).
+    """
+
+    type: Literal["peer_down"] = "peer_down"
+    device: DeviceId = Field(min_length=1, max_length=255)
+    epoch: int = Field(ge=0, le=1 << 62)
+    peer: DeviceId = Field(min_length=1, max_length=255)
+    how: Literal["disconnected", "reconnected", "silent"]
+    waited_s: float = Field(
+        0.0,
+        ge=0.0,
+        lt=MAX_PEER_WAIT_S,
+        allow_inf_nan=False,
+        description='For "silent": how long it waited for the peer\'s data; else 0.',
+    )
+
+
 class WorkerError(WireModel):
     """A worker could not do what it was asked; the text says why."""
 
@@ -362,6 +393,14 @@ class Assign(WireModel):
         max_length=MAX_LAYERS,
         description="Layers (version from_round) this device sends to each peer before it "
         "loads its own.",
+    )
+    peer_timeout_s: float | None = Field(
+        None,
+        gt=0.0,
+        le=MAX_PEER_TIMEOUT_S,
+        allow_inf_nan=False,
+        description="Waiting longer than this for a neighbour's data, the worker reports "
+        "PeerDown silent (once per round and peer) and keeps waiting. None: it never does.",
     )
 
 
@@ -708,6 +747,7 @@ Message = Annotated[
     | RoundDone
     | CheckpointSaved
     | WorkerError
+    | PeerDown
     | ReplicaSaved
     | Collect
     | Handover

@@ -198,11 +198,14 @@ class TestbedBackend:
     # --- sampling -----------------------------------------------------------------
 
     def pids(self) -> dict[str, int]:
-        """Live processes as "name@pid": a restarted process is a new name."""
+        """Live processes as "name@pid": a restarted process is a new name.
+
+        Safe from a sampling thread: it copies the process table before reading it.
+        """
         bed = self._bed()
         out = {
             f"{name}@{proc.pid}": proc.pid
-            for name, proc in bed.procs.items()
+            for name, proc in list(bed.procs.items())
             if proc.poll() is None
         }
         redis_pid = bed.redis_pid()

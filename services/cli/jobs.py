@@ -381,12 +381,15 @@ def status(
 ) -> None:
     """Devices (heartbeat age, state, stage, memory) and jobs (state, round, samples/s).
 
-    An empty cluster gets a line saying which cluster and Redis were looked at
-    and how to look elsewhere: a wrong prefix or URL otherwise looks exactly
-    like a cluster with nothing in it.
+    Each active job also gets a line with its detection timeouts in force (derived
+    from what the coordinator measures) and where each came from. An empty cluster
+    gets a line saying which cluster and Redis were looked at and how to look
+    elsewhere: a wrong prefix or URL otherwise looks exactly like a cluster with
+    nothing in it.
     """
     from common.records.devices import read_devices
     from common.records.jobs import recent_jobs
+    from services.cli.detection import detection_lines
 
     try:
         if job is not None:
@@ -400,6 +403,8 @@ def status(
         jobs: Sequence[str] = recent_jobs(store) if job is None else [job]
         console.print(devices_table(store, devices, heartbeat_limits(res.settings)))
         console.print(jobs_table(store, jobs=jobs))
+        for line in detection_lines(store, jobs):
+            console.print(line, soft_wrap=True)
     except StoreError as exc:  # a record no coordinator wrote, named
         raise _fail(exc, ExitCode.FAILED) from exc
     finally:

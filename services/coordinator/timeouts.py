@@ -36,6 +36,7 @@ __all__ = [
     "MAX_DEVICES",
     "MIN_SAMPLES",
     "PEER_FLOOR_S",
+    "PEER_QUANTILE",
     "PROBE_FLOOR_S",
     "RECONNECT_S",
     "WINDOW",
@@ -48,6 +49,7 @@ __all__ = [
     "observe_round",
     "observe_rtt",
     "on_plan",
+    "quantile",
 ]
 
 WINDOW = 64

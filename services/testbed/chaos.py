@@ -97,6 +97,10 @@ class ChaosTestbed(Testbed):
         self.spare.discard(name)
         self.start_device(name)
 
+    def joined_workers(self) -> set[str]:
+        """Devices whose worker the coordinator (any of its runs) logged as joined."""
+        return self._joined()[0]
+
     # --- the coordinator ----------------------------------------------------------
 
     def kill_coordinator(self) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -173,8 +174,24 @@ class TestbedBackend:
         self._bed().link_up(device)
 
     def join(self, new_device: str) -> None:
-        """Switch on the spare device `new_device` (ConfigError if the testbed has none such)."""
-        self._bed().join(new_device)
+        """Switch on the spare device `new_device` and wait until its worker joined.
+
+        The wait (bounded by `READY_S`) is the worker's start, importing torch
+        under its quota: a device switched on, not yet the job's reaction to it,
+        so the runner's bounded wait for the re-plan starts once it is there.
+        ConfigError if the testbed has no such spare device.
+        """
+        bed = self._bed()
+        bed.join(new_device)
+        deadline = time.monotonic() + READY_S
+        worker = bed.procs[f"{new_device}.worker"]
+        while new_device not in bed.joined_workers():
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{new_device}'s worker did not join within {READY_S:.0f} s (exit code "
+                    f"{worker.poll()}):\n{bed.tail(f'{new_device}.worker')}"
+                )
+            time.sleep(0.2)
 
     def drain(self, device: str) -> None:
         reply = ask_coordinator(

@@ -13,6 +13,6 @@ def deadline_check(hhmm: str) -> Callable[[], bool]:
     if not hhmm:
         return lambda: False
     hour, _, minute = hhmm.partition(":")
-    now = datetime.datetime.now(datetime.UTC)
+    now = datetime.datetime.now(datetime.timezone.utc)
     at = now.replace(hour=int(hour), minute=int(minute), second=0, microsecond=0)
-    return lambda: datetime.datetime.now(datetime.UTC) >= at
+    return lambda: datetime.datetime.now(datetime.timezone.utc) >= at

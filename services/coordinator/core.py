@@ -5,8 +5,11 @@ of the current (epoch, round) from each. What the coordinator does meanwhile
 (take a matching reply, ignore a stale one, fail on a worker's error, probe a
 suspect, declare the silent or the hung lost, give up at the deadline) is
 decided here, from the state of the wait and one event at a time, and returned
-as commands. The shell (`Coordinator.gather`) owns the socket and the clock:
-it feeds what arrived and a `Tick` now and then, and carries the commands out.
+as commands. Signals that a device may be gone (its control connection closed,
+a neighbour's report that its connection closed or its data is overdue) make it
+a suspect (`detection`) that is probed unless it is heard from first. The shell
+(`Coordinator.gather`) owns the socket and the clock: it feeds what arrived and
+a `Tick` now and then, and carries the commands out.
 So every rule is tested with scripted events on a fake clock, without sockets.
 
 A wait ends with exactly one of `Complete`, `Fail` or `Lost`; a finished wait
@@ -22,6 +25,17 @@ from typing import Literal
 
 from common.ids import DeviceId
 from common.messages import Message, WorkerError
+from services.coordinator.detection import (
+    COORDINATOR,
+    Signal,
+    Suspects,
+    clear,
+    due,
+    live,
+    lost_reason,
+    refusal,
+    suspect,
+)
 from services.coordinator.membership import (
     Members,
     Probes,
@@ -32,22 +46,31 @@ from services.coordinator.membership import (
 )
 
 __all__ = [
+    "DEFAULT_FLAP_GRACE_S",
     "Beats",
     "Command",
     "Complete",
+    "Disconnected",
     "Event",
     "Fail",
     "Heard",
     "Log",
     "Lost",
+    "PeerSilent",
     "ProbeAnswer",
+    "Reconnected",
     "Reply",
     "SendProbe",
+    "Signalled",
     "Tick",
     "Wait",
     "apply",
     "begin",
+    "signalled",
 ]
+
+DEFAULT_FLAP_GRACE_S = 1.0
+"""The flap grace of a wait begun without one (the setting's default)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,10 @@ class Wait:
     watch: frozenset[DeviceId] = frozenset()
     """Devices whose liveness is checked though no reply is wanted of them (a serving
     request's ring: only its first device answers, but any device's loss ends it)."""
+    suspects: Suspects = field(default_factory=dict)
+    """Devices a signal made suspects, not heard from since; they outlive the wait too."""
+    flap_grace_s: float = DEFAULT_FLAP_GRACE_S
+    """A closed connection that comes back (the device is heard from) within this is no loss."""
     done: bool = False
     """A verdict was returned: later events change nothing."""
 
@@ -122,7 +149,43 @@ class Tick:
     """Time passed: check liveness, the watchdog and the deadline."""
 
 
-Event = Reply | Beats | ProbeAnswer | Tick
+@dataclass(frozen=True)
+class Disconnected:
+    """`reporter`'s connection to `device` closed at `at`.
+
+    The reporter is `detection.COORDINATOR` for the coordinator's own control
+    socket (no epoch), or a neighbour that sent PeerDown in plan `epoch`.
+    """
+
+    device: DeviceId
+    reporter: DeviceId
+    at: float
+    epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class Reconnected:
+    """`reporter`'s connection to `device` is back: the device is alive."""
+
+    device: DeviceId
+    reporter: DeviceId
+    epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class PeerSilent:
+    """`reporter` waited `waited_s` for `device`'s data, longer than its peer timeout."""
+
+    device: DeviceId
+    reporter: DeviceId
+    waited_s: float
+    epoch: int | None = None
+
+
+Signalled = Disconnected | Reconnected | PeerSilent
+"""Evidence about a device's liveness from outside its own messages."""
+
+Event = Reply | Beats | ProbeAnswer | Tick | Disconnected | Reconnected | PeerSilent
 
 
 # --- commands -----------------------------------------------------------------
@@ -193,12 +256,16 @@ def begin(
     probes: Probes | None = None,
     next_nonce: int = 1,
     watch: frozenset[DeviceId] = frozenset(),
+    suspects: Suspects | None = None,
+    flap_grace_s: float = DEFAULT_FLAP_GRACE_S,
 ) -> Wait:
     """A wait for one `kind` reply of (epoch, round_no) from each of `devices`, from `now`.
 
-    `probes` and `next_nonce` carry over from earlier waits: a suspect probed in
-    the last step may answer in this one, and a nonce is never reused.
+    `probes`, `suspects` and `next_nonce` carry over from earlier waits: a
+    suspect probed in the last step may answer in this one, a connection that
+    closed just before this step is still suspect, and a nonce is never reused.
     """
+    among = frozenset(devices) | watch
     return Wait(
         kind=kind,
         want=frozenset(devices),
@@ -213,6 +280,8 @@ def begin(
         probes=dict(probes or {}),
         next_nonce=next_nonce,
         watch=watch - frozenset(devices),
+        suspects={d: v for d, v in (suspects or {}).items() if d in among},
+        flap_grace_s=flap_grace_s,
         done=not devices,
     )
 
@@ -227,7 +296,59 @@ def apply(wait: Wait, event: Event, now: float) -> tuple[Wait, list[Command]]:
         return replace(wait, members=dict(event.members)), []
     if isinstance(event, ProbeAnswer):
         return _on_probe_answer(wait, event, now)
+    if isinstance(event, Disconnected | Reconnected | PeerSilent):
+        among = wait.want | wait.watch
+        suspects, commands = signalled(
+            wait.suspects, wait.members, event, among, wait.epoch, wait.flap_grace_s, now
+        )
+        return replace(wait, suspects=suspects), commands
     return _on_tick(wait, now)
+
+
+def signalled(
+    suspects: Suspects,
+    members: Members,
+    event: Signalled,
+    among: frozenset[DeviceId],
+    epoch: int,
+    flap_grace_s: float,
+    now: float,
+) -> tuple[Suspects, list[Command]]:
+    """Suspects after `event`, and what to log: the rule for a wait and between waits alike.
+
+    A closed connection makes a suspect probed after the grace, a neighbour's
+    overdue data one probed at once; a reconnect clears it. A neighbour's report
+    that does not fit the running plan and epoch is dropped with a warning that
+    names its sender (a peer's word is evidence only where it can be checked).
+    """
+    why = refusal(event.reporter, event.device, among, event.epoch, epoch)
+    how = "reconnected" if isinstance(event, Reconnected) else "disconnected"
+    if isinstance(event, PeerSilent):
+        how = "silent"
+    if why is not None:
+        dropped = {"peer": event.reporter, "about": event.device, "how": how, "reason": why}
+        if event.reporter == COORDINATOR and event.epoch is None:  # any client's socket
+            return suspects, [Log("debug", "ignored a closed connection", dropped)]
+        return suspects, [Log("warning", "dropped a liveness report", dropped)]
+    if isinstance(event, Reconnected):
+        if event.device not in suspects:
+            return suspects, []
+        back = {"device": event.device, "reporter": event.reporter}
+        return clear(suspects, [event.device]), [Log("info", "suspect reconnected", back)]
+    if isinstance(event, Disconnected):
+        signal = Signal(event.at, event.reporter, "disconnected")
+        probe_at = event.at + flap_grace_s
+    else:
+        signal = Signal(now, event.reporter, "silent", event.waited_s)
+        probe_at = now
+    fields: dict[str, object] = {
+        "device": event.device,
+        "signal": signal.text(now),
+        "probe_in_s": round(max(0.0, probe_at - now), 3),
+    }
+    return suspect(suspects, members, event.device, signal, probe_at), [
+        Log("warning", "suspect", fields)
+    ]
 
 
 def _on_reply(wait: Wait, event: Reply) -> tuple[Wait, list[Command]]:
@@ -268,35 +389,46 @@ def _on_probe_answer(wait: Wait, event: ProbeAnswer, now: float) -> tuple[Wait, 
 def _on_tick(wait: Wait, now: float) -> tuple[Wait, list[Command]]:
     """Probe new suspects; then the dead, the hung and the deadline, in that order.
 
-    Devices that fail at the same check fail together: one `Lost` names them
-    all, so the job recovers once without all of them rather than once per
-    device. The dead are reported before the hung (a device found hung in the
-    same tick is found again in the next step's wait, after recovery).
+    A suspect is a device whose heartbeats are overdue or whose signals'
+    grace is over with nothing heard from it since (`detection.due`). Devices
+    that fail at the same check fail together: one `Lost` names them all, so
+    the job recovers once without all of them rather than once per device. The
+    dead are reported before the hung (a device found hung in the same tick is
+    found again in the next step's wait, after recovery).
     """
+    among = wait.want | wait.watch
+    suspects = live(wait.suspects, wait.members)  # those heard from since are cleared
     found = check_liveness(
         wait.members,
         wait.probes,
         now,
-        wait.want | wait.watch,
+        among,
         wait.heartbeat_deadline_s,
         wait.probe_timeout_s,
     )
     if found.dead:
-        silent = max(now - wait.members[d].last_seen for d in found.dead)
         probes = {d: p for d, p in found.probes.items() if d not in found.dead}
-        reason = (
-            f"workers {found.dead} missed heartbeats for {silent:.1f} s and did not answer "
-            f"a probe within {wait.probe_timeout_s:g} s while the coordinator waited for "
-            f"{wait.waited_for}"
+        reason = lost_reason(
+            found.dead,
+            wait.members,
+            found.probes,
+            suspects,
+            now,
+            wait.probe_timeout_s,
+            wait.waited_for,
         )
-        return replace(wait, probes=probes, done=True), [Lost(found.dead, reason)]
+        suspects = clear(suspects, found.dead)
+        return replace(wait, probes=probes, suspects=suspects, done=True), [
+            Lost(found.dead, reason)
+        ]
     probes, nonce = found.probes, wait.next_nonce
     commands: list[Command] = []
-    for d in found.probe:
+    signalled_ = [d for d in due(suspects, wait.members, now, among) if d not in probes]
+    for d in [*found.probe, *(d for d in signalled_ if d not in found.probe)]:
         probes = probe_sent(wait.members, probes, d, nonce, now)
         commands.append(SendProbe(d, nonce, probes[d].silent_s))
         nonce += 1
-    wait = replace(wait, probes=probes, next_nonce=nonce)
+    wait = replace(wait, probes=probes, suspects=suspects, next_nonce=nonce)
     if wait.watchdog_s is not None:
         waiting = [d for d in wait.want if d not in wait.got and d not in probes]
         if stuck := hung(wait.members, now, waiting, wait.watchdog_s, wait.started):

@@ -115,7 +115,7 @@ def test_a_heartbeat_within_the_grace_clears_the_suspect():
 
 def test_a_heartbeat_read_before_the_close_does_not_clear_it():
     early = on_heartbeat(members(), hb(B), 0.9)
-    w, out = run(
+    _w, out = run(
         wait(),
         [(0.9, Beats(early)), (1.0, closed(1.0)), (1.0 + GRACE_S + 0.01, Tick())],
     )
@@ -123,7 +123,7 @@ def test_a_heartbeat_read_before_the_close_does_not_clear_it():
 
 
 def test_a_reconnect_reported_within_the_grace_clears_the_suspect():
-    w, out = run(
+    _w, out = run(
         wait(),
         [
             (1.0, Disconnected(B, A, 1.0, EPOCH)),
@@ -159,7 +159,7 @@ def test_a_silent_neighbour_report_probes_at_once_and_an_answer_is_the_end_of_it
 
 
 def test_a_silent_report_left_unanswered_names_the_reporter_and_its_wait():
-    w, out = run(
+    _w, out = run(
         wait(),
         [(2.0, PeerSilent(B, A, 1.5, EPOCH)), (2.01, Tick()), (2.01 + PROBE_S + 0.01, Tick())],
     )
@@ -179,7 +179,7 @@ def test_every_signal_is_named_and_kept_bounded():
 
 
 def test_two_devices_closed_together_are_lost_together():
-    w, out = run(
+    _w, out = run(
         wait(),
         [(0.0, closed(0.0, B)), (0.0, closed(0.0, C)), (0.31, Tick()), (0.52, Tick())],
     )

@@ -117,7 +117,8 @@ class TestbedBackend:
             redis_dir=redis_dir,
             spare=spares,
         )
-        bed.coordinator_args = ["--job", str(job_file)]
+        # the devices start (import torch under their quota) while the coordinator waits
+        bed.coordinator_args = ["--job", str(job_file), "--join-timeout-s", str(READY_S)]
         if plan is not None:
             plan_file = self.out / "plan.json"
             plan_file.write_text(json.dumps(plan))

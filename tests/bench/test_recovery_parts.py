@@ -17,7 +17,10 @@ HEARTBEATS = (
         ("worker nano-0 disconnected and did not come back within 0.5 s", "connection closed"),
         ("worker nano-0's connection closed (reported by tx2-0)", "connection closed"),
         ("worker nano-1 reported nano-0 silent: no data for 3.1 s", "peer silent"),
-        ("worker nano-0 heartbeats but made no progress for 30 s in round 3 (watchdog)", "watchdog"),
+        (
+            "worker nano-0 heartbeats but made no progress for 30 s in round 3 (watchdog)",
+            "watchdog",
+        ),
         ("worker nano-0 failed in round 3: out of memory", "worker error"),
         ("something new", "other"),
         ("", ""),

@@ -170,7 +170,7 @@ def apply(run: Run, event: Event, now: float) -> Out:
         return _on_reply(run, event, now)
     if isinstance(event, ProbeAnswer):
         return _on_probe_answer(run, event, now)
-    if isinstance(event, Tick):
+    if isinstance(event, Tick | core.Signalled):
         return _waited(run, event, now)
     if isinstance(event, Cancelled):
         return replace(run, cancel=event.reason), [
@@ -228,9 +228,9 @@ def _on_probe_answer(run: Run, event: ProbeAnswer, now: float) -> Out:
 def _waited(run: Run, event: core.Event, now: float) -> Out:
     """Feed the step's wait; on its verdict, move the job on."""
     if run.wait is None or run.wait.done:
-        return run, []
-    wait, cmds = core.apply(run.wait, event, now)
-    run = replace(run, wait=wait, probes=wait.probes, next_nonce=wait.next_nonce)
+        return recovering.kept(run, event, now)
+    w, cmds = core.apply(run.wait, event, now)
+    run = replace(run, wait=w, probes=w.probes, suspects=w.suspects, next_nonce=w.next_nonce)
     out: list[Command] = []
     for cmd in cmds:
         if isinstance(cmd, SendProbe | Heard | Log):

@@ -19,6 +19,8 @@ from common.plan import Plan
 from services.coordinator import core
 from services.coordinator.adapt import Speeds
 from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick, Wait
+from services.coordinator.detection import Suspects
+from services.coordinator.job_limits import Limits
 from services.coordinator.link_drift import CommWatch
 from services.coordinator.membership import Members, Probes, watchdog_s
 from services.coordinator.migration import Transfers
@@ -76,19 +78,6 @@ ENDED = ("finished", "failed", "cancelled")
 
 
 # --- state --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The coordinator's settings that bound waits, and the longest Redis outage a job rides out."""
-
-    round_timeout_s: float
-    heartbeat_deadline_s: float
-    """Silence longer than this (heartbeat interval times misses) makes a suspect."""
-    probe_timeout_s: float
-    hung_min_s: float
-    hung_factor: float
-    redis_outage_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -176,6 +165,7 @@ class Run:
     wait: Wait | None = None
     members: Members = field(default_factory=dict)
     probes: Probes = field(default_factory=dict)
+    suspects: Suspects = field(default_factory=dict)
     next_nonce: int = 1
     book: ReplicaBook | None = None
     recovery: Recovery | None = None
@@ -274,6 +264,7 @@ Event = (
     | Beats
     | ProbeAnswer
     | Tick
+    | core.Signalled
     | Cancelled
     | Drain
     | EpochRaised
@@ -461,6 +452,8 @@ def begin_step(
             run.members,
             run.probes,
             run.next_nonce,
+            suspects=run.suspects,
+            flap_grace_s=lim.flap_grace_s,
         ),
     )
 

@@ -20,7 +20,8 @@ from common.ids import DeviceId
 from common.ledger import rollback_entry
 from common.messages import CheckpointSaved, Collect
 from common.plan import Plan, validate_async
-from services.coordinator.core import Log
+from services.coordinator.core import Event as WaitEvent
+from services.coordinator.core import Log, Signalled, signalled
 from services.coordinator.job_state import (
     Append,
     Capacities,
@@ -50,6 +51,7 @@ from services.coordinator.recovery import RecoveryImpossible, survivors_plan
 __all__ = [
     "adapt",
     "alive",
+    "kept",
     "lost",
     "membership_change",
     "plan_again",
@@ -214,6 +216,22 @@ def lost(run: Run, devices: Sequence[DeviceId], reason: str, now: float) -> Out:
     passed_over = (run.passed_over - set(devices)) | never
     run = replace(run, phase="recovering", recovery=rec, wait=None, passed_over=passed_over)
     return run, [*cmds, ReadCapacities()]
+
+
+def kept(run: Run, event: WaitEvent, now: float) -> Out:
+    """A liveness signal between two steps (a re-plan under way): kept for the next step.
+
+    So a device whose connection closes while the job re-plans is still a suspect
+    when the next wait begins, not only once its heartbeats are overdue. Other
+    events between steps change nothing.
+    """
+    if not isinstance(event, Signalled):
+        return run, []
+    among = frozenset(run.plan.devices)
+    suspects, logs = signalled(
+        run.suspects, run.members, event, among, run.epoch, run.limits.flap_grace_s, now
+    )
+    return replace(run, suspects=suspects), [*logs]
 
 
 def recovery_input(

@@ -84,7 +84,7 @@ bench-fl:  ## Eco-FL, FedAvg, FedAsync, FedAT, Astraea on the virtual-clock FL s
 .PHONY: gpu-check
 gpu-check:  ## on a machine with a CUDA GPU: the cuda-marked tests, then its profile, plan and samples/s against the CPU (bench-results/gpu/)
 	$(BIN)/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "gpu-check: torch sees no CUDA device (torch " + torch.__version__ + ")")'
-	$(PYTEST) -p no:cacheprovider -m cuda -rs tests/worker/test_cuda_stage.py tests/integration/test_cuda_mixed.py tests/galaxy/test_cuda_blocks.py
+	$(PYTEST) -p no:cacheprovider -m cuda -rs tests/worker/test_cuda_stage.py tests/integration/test_cuda_mixed.py tests/galaxy/test_cuda_blocks.py tests/galaxy/test_llama.py
 	$(BIN)/python -m tests.bench.gpu_check --out bench-results/gpu
 
 bench-fl-homes:  ## Eco-FL, FedAvg, FedAsync, FedAT, Astraea with real homes on the edge testbed (root)

@@ -28,8 +28,8 @@ __all__ = ["SIGNALS", "Parts", "detection_signal", "split"]
 
 SIGNALS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # most specific first: a reason may name several (a probe follows missed heartbeats)
-    ("connection closed", ("disconnect", "connection closed", "closed its")),
-    ("peer silent", ("silent", "no data from", "receive timeout")),
+    ("connection closed", ("disconnect", "connection closed", "closed")),
+    ("peer silent", ("silent", "for its data", "receive timeout")),
     ("watchdog", ("watchdog",)),
     ("heartbeats + probe", ("probe",)),
     ("heartbeats", ("heartbeat",)),

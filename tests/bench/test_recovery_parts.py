@@ -8,15 +8,20 @@ HEARTBEATS = (
     "workers ['nano-0'] missed heartbeats for 3.2 s and did not answer a probe within 2 s "
     "while the coordinator waited for round 4"
 )
+LOST = "workers ['nano-0'] lost while the coordinator waited for round 4: "
+"""How the coordinator's reasons begin when signals made the device a suspect."""
 
 
 @pytest.mark.parametrize(
     ("reason", "signal"),
     [
         (HEARTBEATS, "heartbeats + probe"),
-        ("worker nano-0 disconnected and did not come back within 0.5 s", "connection closed"),
-        ("worker nano-0's connection closed (reported by tx2-0)", "connection closed"),
-        ("worker nano-1 reported nano-0 silent: no data for 3.1 s", "peer silent"),
+        (f"{LOST}nano-0: control connection closed 0.31 s ago; probe unanswered for 0.2 s",
+         "connection closed"),
+        (f"{LOST}nano-0: tx2-0 reported its connection to it closed 0.30 s ago; probe "
+         "unanswered for 0.21 s", "connection closed"),
+        (f"{LOST}nano-0: tx2-0 waited 1.50 s for its data; probe unanswered for 0.21 s",
+         "peer silent"),
         (
             "worker nano-0 heartbeats but made no progress for 30 s in round 3 (watchdog)",
             "watchdog",
@@ -25,16 +30,17 @@ HEARTBEATS = (
         ("something new", "other"),
         ("", ""),
     ],
-)
+)  # fmt: skip
 def test_the_signal_is_read_from_the_recovery_reason(reason: str, signal: str) -> None:
     assert detection_signal(reason) == signal
 
 
 def test_only_the_first_loss_names_the_signal() -> None:
     """A second loss during a recovery appends its reason after "; "."""
-    reason = f"worker nano-0 disconnected; {HEARTBEATS}"
+    reason = f"{LOST}nano-0: control connection closed 0.31 s ago; {HEARTBEATS}"
     assert detection_signal(reason) == "connection closed"
-    assert detection_signal(f"{HEARTBEATS}; worker nano-1 disconnected") == "heartbeats + probe"
+    later = f"{LOST}nano-1: control connection closed 0.1 s ago"
+    assert detection_signal(f"{HEARTBEATS}; {later}") == "heartbeats + probe"
 
 
 def test_the_parts_add_up_to_the_end_to_end_time() -> None:

@@ -126,8 +126,10 @@ class ControlLink(threading.Thread):
                 # a long heartbeat interval must not delay noticing `stop`
                 wait_s = min(_STOP_CHECK_S, max(0.0, next_beat - now))
                 events = dict(poller.poll(int(wait_s * 1000) or 1))
-                if monitor in events:
-                    self._connection(int(recv_monitor_message(monitor)["event"]))
+                if monitor in events and self._connection(
+                    int(recv_monitor_message(monitor)["event"])
+                ):
+                    next_beat = 0.0  # heard within the coordinator's grace, not a tick later
                 if self._pull in events:
                     self._relay(sock, self._pull.recv_multipart())
                 if sock in events:
@@ -174,8 +176,12 @@ class ControlLink(threading.Thread):
                 reason=self._why,
             )
 
-    def _connection(self, event: int) -> None:
-        """Say when the coordinator's connection drops and when it is back.
+    def _connection(self, event: int) -> bool:
+        """Say when the coordinator's connection drops and when it is back; True: it is back.
+
+        A connection back sends a heartbeat at once: a link that dropped for
+        less than the coordinator's flap grace is then heard within it, not
+        only at the next heartbeat tick.
 
         ZeroMQ reconnects by itself; heartbeats queue meanwhile, so a restarted
         coordinator hears from this worker as soon as it listens again. Failed
@@ -186,7 +192,8 @@ class ControlLink(threading.Thread):
             if not self.connected:
                 log.info("reached the coordinator", coordinator=self.coordinator)
             self.connected = True
-        elif event == zmq.EVENT_DISCONNECTED and self.connected:
+            return True
+        if event == zmq.EVENT_DISCONNECTED and self.connected:
             self.connected = False
             self._since = time.monotonic()
             self._next_note = self._since + UNREACHABLE_NOTE_S
@@ -196,6 +203,7 @@ class ControlLink(threading.Thread):
             )
         elif event in _WHY:
             self._why = _WHY[event]
+        return False
 
     def _note_unreachable(self, now: float) -> None:
         """Every `UNREACHABLE_NOTE_S` without the coordinator, say so and why.

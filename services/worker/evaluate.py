@@ -73,6 +73,8 @@ def evaluate(runner: StageRunner, round_no: int, batches: int) -> EvalResult:
                         functools.partial(_decide, runner, round_no, j, n),
                         runner.timeout,
                         functools.partial(_waiting_for, runner, j),
+                        functools.partial(runner.pool.missing, round_no, "E", j),
+                        ("eval", round_no),
                     )
                 _forward(runner, round_no, j, res)
     finally:

@@ -45,6 +45,7 @@ from common.locate import CoordinatorUnreachable, with_redis
 from common.logging import bind_global, get_logger
 from common.memory import keep_freed_memory
 from common.messages import (
+    MAX_PEER_WAIT_S,
     Assign,
     Assigned,
     CheckpointSaved,
@@ -54,6 +55,7 @@ from common.messages import (
     Heartbeat,
     LayerState,
     MeasureLinks,
+    PeerDown,
     ReplicaSaved,
     RoundDone,
     RunEval,
@@ -73,6 +75,7 @@ from services.worker.control import ControlLink
 from services.worker.faults import FailAt
 from services.worker.holdings import HeldLayer, Holdings, ReplicaSource
 from services.worker.links import LinkProber
+from services.worker.peer_watch import How, neighbours
 from services.worker.pool import TaskPool
 from services.worker.serving import Serving
 from services.worker.stage import StageRunner, blob_tensor
@@ -129,7 +132,7 @@ class Worker:
             self.ctx, f"tcp://{bind}:{settings.link_port}", self.limits, keys=keys
         )
         self.link_addr = f"tcp://{host}:{self.sink.endpoint.rsplit(':', 1)[1]}"
-        self.dispatcher = Dispatcher(self.ctx, self.device, keys)
+        self.dispatcher = Dispatcher(self.ctx, self.device, keys, report=self._link_changed)
         self.bulk = Dispatcher(self.ctx, self.device, keys, session="bulk")
         self.stopping = threading.Event()
         self.control = ControlLink(
@@ -144,6 +147,7 @@ class Worker:
             # a new serving shard makes the request under way stale (the main thread runs it)
             on_command=lambda msg: self.serving.announce(msg),
         )
+        self.pool.on_silent = self._silent
         self.prober = LinkProber(self.ctx, self.device, keys, self.control.send)
         self.accelerator = describe_accelerator(settings.accelerator)
         """What the stage computes on; a GPU's name and memory are in the fingerprint."""
@@ -194,6 +198,23 @@ class Worker:
             # loading a stage waits on Redis or on peers (each read bounded): not a hang
             waiting=self.state == "loading" or (r.waiting if r else False),
             version=VERSION,
+        )
+
+    def _link_changed(self, epoch: int, peer: str, how: How) -> None:
+        """A neighbour's data connection closed or came back: evidence for the coordinator."""
+        self.control.send(PeerDown(device=self.device, epoch=epoch, peer=DeviceId(peer), how=how))
+
+    def _silent(self, epoch: int, peer: str, waited_s: float) -> None:
+        """A neighbour's data is overdue (the Assign's peer_timeout_s): evidence too."""
+        log.warning("neighbour silent", peer=peer, waited_s=round(waited_s, 3))
+        self.control.send(
+            PeerDown(
+                device=self.device,
+                epoch=epoch,
+                peer=DeviceId(peer),
+                how="silent",
+                waited_s=min(waited_s, MAX_PEER_WAIT_S - 1),  # a wait is bounded far below
+            )
         )
 
     def serve(self) -> None:
@@ -442,7 +463,7 @@ class Worker:
     def _assign(self, msg: Assign) -> None:
         t0 = time.perf_counter()
         self.state = "loading"
-        self.dispatcher.set_peers(msg.peers)
+        self.dispatcher.set_peers(msg.peers, msg.epoch, neighbours(msg.plan, self.device))
         self.bulk.set_peers(msg.peers)
         timings: dict[str, float] = {}
         layers = self._migrate(msg, timings)

@@ -23,6 +23,11 @@ the round cannot complete: that peer's fault is kept, and every wait fails at
 once with a PeerDataError naming it, so that the job ends with that name
 instead of training on poison or waiting out the task timeout.
 
+With a neighbour timeout (the Assign's `peer_timeout_s`), a wait that has
+lasted that long names the neighbours whose data it still lacks to
+`on_silent`, once per round and neighbour, and goes on waiting: the
+coordinator decides whether they are lost (`services.worker.peer_watch`).
+
 The pool is also the worker's ledger of what it holds for a round: the bytes
 of the tensors resident in it plus what the stage runner reports its forwards
 keep for backwards that have not run (saved activations). Both change under
@@ -33,20 +38,26 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
 from common.errors import PeerDataError, RoundAbortedError, RoundTimeoutError
+from common.logging import get_logger
 from common.messages import Activation, Gradient, ReduceChunk
 from common.settings import POOL_MAX_BYTES
+from services.worker.expected import Expected
 from services.worker.numerics import describe_nonfinite, part_fault
+from services.worker.peer_watch import SilenceWatch
 
-__all__ = ["Expected", "Part", "TaskPool"]
+__all__ = ["Expected", "Part", "SilentPeer", "TaskPool"]
 
 T = TypeVar("T")
+_log = get_logger(__name__)
+SilentPeer = Callable[[int, str, float], None]
+"""Told (epoch, neighbour, seconds waited) when a wait outlasts the neighbour timeout."""
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -71,66 +82,6 @@ class Part:
     lo: int
     hi: int
     tensors: list[torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Expected:
-    """Who the plan says sends this device each part, so a part from anyone else is refused.
-
-    Routes do not depend on the micro-batch, so a sample range names its sender
-    for every micro-batch of every round of the plan epoch.
-
-    Attributes:
-        activations: Sample range [lo, hi) -> device of the previous stage that
-            sends those activations (training and evaluation alike).
-        gradients: Sample range [lo, hi) -> device of the next stage that sends
-            the gradients of those samples back.
-        ring_prev: The device before this one in the group's all-reduce ring;
-            None when the group has one device (no reduce chunks at all).
-        ring_size: Devices in the ring, which bounds steps and chunk indices.
-        microbatches: Micro-batches per round, which bounds a training part's index.
-        num_classes: Width of the model's logits, which bounds the labels activations
-            carry; None leaves labels unchecked (a harness without a model).
-
-    """
-
-    activations: Mapping[tuple[int, int], str] = field(default_factory=dict)
-    gradients: Mapping[tuple[int, int], str] = field(default_factory=dict)
-    ring_prev: str | None = None
-    ring_size: int = 1
-    microbatches: int | None = None
-    num_classes: int | None = None
-
-    def part_sender(self, kind: str, lo: int, hi: int) -> str | None:
-        """The device that sends samples [lo, hi) of a part of `kind`, or None if none does."""
-        routes = self.gradients if kind == "B" else self.activations
-        return routes.get((lo, hi))
-
-    def refuse_part(self, kind: str, mb: int, lo: int, hi: int, sender: str) -> str | None:
-        """Why a part of `kind` from `sender` does not fit the plan, or None when it does."""
-        if kind != "E" and self.microbatches is not None and not 0 <= mb < self.microbatches:
-            return f"micro-batch {mb} of a round of {self.microbatches}"
-        want = self.part_sender(kind, lo, hi)
-        if want is None:
-            what = "gradients" if kind == "B" else "activations"
-            return f"no route of the plan sends {what} of samples [{lo}, {hi}) to this device"
-        if want != sender:
-            return f"samples [{lo}, {hi}) of {kind}{mb} come from {want!r}, not from {sender!r}"
-        return None
-
-    def refuse_chunk(self, step: int, chunk: int, sender: str) -> str | None:
-        """Why a reduce chunk from `sender` does not fit the ring, or None when it does."""
-        if self.ring_prev is None:
-            return "this device's group has no all-reduce ring (one device)"
-        if self.ring_prev != sender:
-            return f"reduce chunks come from {self.ring_prev!r}, not from {sender!r}"
-        steps = 2 * (self.ring_size - 1)
-        if not (0 <= step < steps and 0 <= chunk < self.ring_size):
-            return (
-                f"reduce chunk step {step} chunk {chunk} outside a ring of {self.ring_size} "
-                f"({steps} steps)"
-            )
-        return None
 
 
 def _describe(msg: Activation | Gradient, kind: str) -> str:
@@ -185,6 +136,9 @@ class TaskPool:
         self.saved_bytes = 0
         self.peak_bytes = 0
         self.peak_saved_bytes = 0
+        self.silence = SilenceWatch()
+        self.on_silent: SilentPeer | None = None
+        """Called outside the lock, from the waiting thread, for each silent neighbour."""
 
     def abort(self, reason: str) -> None:
         """Make the current and next waits fail at once (until the next reset)."""
@@ -204,6 +158,7 @@ class TaskPool:
         span: tuple[int, int],
         expected: Expected | None = None,
         from_round: int = 0,
+        peer_timeout_s: float | None = None,
     ) -> None:
         """Serve `stage` of plan epoch `epoch`; a task is complete when parts cover `span`.
 
@@ -212,8 +167,10 @@ class TaskPool:
         always gives it; only a harness without a plan (the transport benchmark,
         which numbers its streams freely) leaves senders and rounds unchecked.
         The first round to run is `from_round`, so its parts count as the next round's.
+        A wait longer than `peer_timeout_s` reports the neighbours it waits for (None: never).
         """
         with self.cond:
+            self.silence.reset(epoch, peer_timeout_s)
             self.epoch, self.stage, self.span = epoch, stage, span
             self.round = from_round - 1
             self.expected = expected
@@ -409,30 +366,75 @@ class TaskPool:
         self.peak_bytes = max(self.peak_bytes, self._resident() + self.saved_bytes)
         self.peak_saved_bytes = max(self.peak_saved_bytes, self.saved_bytes)
 
-    def wait(self, decide: Callable[[], T | None], timeout_s: float, what: Callable[[], str]) -> T:
-        """Block until `decide()` (run under the lock) returns a value, or time out."""
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while True:
-                if self.aborted is not None:
-                    raise RoundAbortedError(self.aborted)
-                if self.fault is not None:
-                    raise PeerDataError(f"refused {self.fault}")
-                result = decide()
-                if result is not None:
-                    return result
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RoundTimeoutError(f"waited {timeout_s:.0f} s for {what()}")
-                self.cond.wait(left)
+    def missing(self, round_no: int, kind: str, mb: int) -> set[str]:
+        """Devices whose parts of task (`round_no`, `kind`, `mb`) have not come (under `cond`)."""
+        if self.expected is None:
+            return set()
+        routes = self.expected.gradients if kind == "B" else self.expected.activations
+        slot = self._slots.get((round_no, kind, mb))
+        return {src for (lo, _), src in routes.items() if slot is None or lo not in slot.parts}
+
+    def wait(
+        self,
+        decide: Callable[[], T | None],
+        timeout_s: float,
+        what: Callable[[], str],
+        awaited: Callable[[], Collection[str]] | None = None,
+        key: tuple[str, int] | None = None,
+    ) -> T:
+        """Block until `decide()` (run under the lock) returns a value, or time out.
+
+        `awaited()` (under the lock) names the neighbours whose data would end
+        the wait; past the neighbour timeout each is told to `on_silent` once
+        per `key` (a phase and round; the current training round by default).
+        """
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while True:
+            silent: list[tuple[str, float]] = []
+            with self.cond:
+                epoch = self.epoch
+                while True:
+                    if self.aborted is not None:
+                        raise RoundAbortedError(self.aborted)
+                    if self.fault is not None:
+                        raise PeerDataError(f"refused {self.fault}")
+                    result = decide()
+                    if result is not None:
+                        return result
+                    now = time.monotonic()
+                    left = deadline - now
+                    if left <= 0:
+                        raise RoundTimeoutError(f"waited {timeout_s:.0f} s for {what()}")
+                    quiet = self.silence.deadline(started) if awaited is not None else None
+                    if quiet is not None and now >= quiet and awaited is not None:
+                        phase = key or ("train", self.round)
+                        silent = self.silence.due(phase, started, now, awaited())
+                        if silent:
+                            break  # told outside the lock, then back to waiting
+                        quiet = None  # told once already: wait out the task timeout
+                    self.cond.wait(left if quiet is None else min(left, quiet - now))
+            self._tell_silent(epoch, silent)
+
+    def _tell_silent(self, epoch: int, silent: list[tuple[str, float]]) -> None:
+        """Tell `on_silent` of each silent neighbour; its failure never fails the wait."""
+        if self.on_silent is None:
+            return
+        for peer, waited_s in silent:
+            try:
+                self.on_silent(epoch, peer, waited_s)
+            except Exception:  # evidence lost is the heartbeats' to cover, not the round's
+                _log.exception("could not report a silent neighbour", peer=peer)
 
     def take_chunk(self, round_no: int, step: int, chunk: int, timeout_s: float) -> torch.Tensor:
-        """Wait for and remove one all-reduce chunk."""
+        """Wait for and remove one all-reduce chunk (the ring's previous device sends it)."""
         key = (round_no, step, chunk)
+        prev = self.expected.ring_prev if self.expected is not None else None
         self.wait(
             lambda: True if key in self._chunks else None,
             timeout_s,
             lambda: f"reduce chunk {chunk} of step {step} in round {round_no}",
+            (lambda: (prev,)) if prev is not None else None,
         )
         with self.cond:
             return self._chunks.pop(key)

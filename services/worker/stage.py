@@ -327,7 +327,14 @@ class StageRunner:
         self.k0 = min(plan.warmup(0), self.m)
         """The first stage's warm-up, which fixes every micro-batch's version (vertical sync)."""
         self.module.register_forward_hook(self._forwarded)
-        pool.reset(assign.epoch, p, self.span, self._expected(), assign.from_round)
+        pool.reset(
+            assign.epoch,
+            p,
+            self.span,
+            self._expected(),
+            assign.from_round,
+            assign.peer_timeout_s,
+        )
 
     def _state(self, layers: Mapping[int, HeldLayer] | None) -> StageState:
         """The stage's state at `assign.from_round`: from `layers`, else from Redis."""
@@ -378,18 +385,19 @@ class StageRunner:
         while state.done_b < self.m:
             w0 = time.perf_counter()
             what = functools.partial(self._waiting_for, state.next_f, state.ctx)
+            awaited = functools.partial(self._awaited, state)
             if self.lanes is None:
                 decide = functools.partial(
                     self._decide, round_no, state.next_f, state.ctx, state.policy
                 )
                 with self.blocked():
-                    action = self.pool.wait(decide, self.timeout, what)
+                    action = self.pool.wait(decide, self.timeout, what, awaited)
                 state.timings["wait_s"] += time.perf_counter() - w0
                 self.run_task(state, action)
                 continue
             pair = functools.partial(self._decide_pair, round_no, state.next_f, state.ctx)
             with self.blocked():
-                backward, forward = self.pool.wait(pair, self.timeout, what)
+                backward, forward = self.pool.wait(pair, self.timeout, what, awaited)
             state.timings["wait_s"] += time.perf_counter() - w0
             self.lanes.run(
                 None if forward is None else functools.partial(self.run_task, state, forward),
@@ -570,6 +578,22 @@ class StageRunner:
         view = self._view(round_no, next_f, ctx)
         pair = next_pair(view, self.p, self.k, self.m, self.assign.job.policy)
         return None if pair == (None, None) else pair
+
+    def _awaited(self, state: RoundState) -> set[str]:
+        """Neighbours whose data a blocked round waits for (called under the pool's lock).
+
+        The previous stage's senders of the next forward's activations, while
+        the schedule would run that forward, and the next stage's senders of
+        the gradients of forwards that ran here.
+        """
+        out: set[str] = set()
+        limit = self.k if state.policy == "1f1b" else self.m
+        if not self.first and state.next_f < self.m and len(state.ctx) < limit:
+            out |= self.pool.missing(state.round_no, "F", state.next_f)
+        if not self.last and (state.policy == "1f1b" or state.next_f >= self.m):
+            for mb in list(state.ctx):
+                out |= self.pool.missing(state.round_no, "B", mb)
+        return out
 
     def _waiting_for(self, next_f: int, ctx: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> str:
         if ctx and not self.last:

@@ -10,16 +10,25 @@ plan names for it.
 
 Each thread owns its sockets (ZeroMQ sockets are not thread-safe). A bad frame
 is logged with the peer that sent it and dropped; the receiver keeps running.
+
+A dispatcher given a `report` connects to the plan's neighbours as soon as it
+learns them (not at the first send, so a neighbour dead before data flows is
+noticed too) and watches each connection's monitor socket: a close or a
+refusal, and a connection back after one, go to `report` through
+`services.worker.peer_watch.LinkWatch`, which bounds what a flapping link sends.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common.codec import Envelope, Limits, encode, recv_message
 from common.curve import CurveKeys
@@ -30,12 +39,21 @@ from common.messages import Activation, Gradient, LayerState, Message, ReduceChu
 from common.serving_messages import HmpTile
 from common.sockets import bind_router, connect_dealer, reset_router
 from services.worker.holdings import Holdings
+from services.worker.peer_watch import How, LinkWatch
 from services.worker.pool import TaskPool
 from services.worker.tiles import TileInbox
 
-__all__ = ["Dispatcher", "Receiver"]
+__all__ = ["Dispatcher", "LinkReport", "Receiver"]
 
 log = get_logger(__name__)
+
+LinkReport = Callable[[int, str, How], None]
+"""Told (epoch, neighbour, "disconnected" | "reconnected") from the dispatcher's thread."""
+WATCH_S = 0.02
+"""Longest a watching dispatcher goes without reading its monitor sockets."""
+_LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+"""Up (the handshake, not the bare TCP connect: a stopped process's kernel still accepts),
+closed, refused."""
 
 
 class Receiver(threading.Thread):
@@ -149,7 +167,9 @@ class Dispatcher(threading.Thread):
         device: str,
         keys: CurveKeys | None = None,
         session: str = "",
+        report: LinkReport | None = None,
     ) -> None:
+        """With `report`, neighbours' connections are watched (see the module's doc)."""
         super().__init__(name=f"dispatcher{'-' + session if session else ''}", daemon=True)
         self.ctx = ctx
         self.device = device
@@ -160,11 +180,18 @@ class Dispatcher(threading.Thread):
         self.peers: dict[str, str] = {}
         self.q: queue.Queue[tuple[str, list[Any]] | None] = queue.Queue()
         self._socks: dict[str, zmq.Socket[Any]] = {}
+        self._monitors: dict[str, zmq.Socket[Any]] = {}
+        """The monitor socket of each peer's DEALER (with `report` only)."""
+        self.report = report
+        self.links = LinkWatch()
         self.error: Exception | None = None
 
-    def set_peers(self, peers: dict[str, str]) -> None:
-        """Data-plane addresses of the plan's devices (sockets reconnect lazily)."""
-        self.q.put(("__peers__", [dict(peers)]))
+    def set_peers(self, peers: dict[str, str], epoch: int = -1, watch: Iterable[str] = ()) -> None:
+        """Data-plane addresses of the plan's devices; connects to `watch` (plan `epoch`) now.
+
+        Other peers are connected at their first message.
+        """
+        self.q.put(("__peers__", [dict(peers), epoch, frozenset(watch)]))
 
     def send(self, dst: str, msg: Message, tensors: list[torch.Tensor] | tuple[()] = ()) -> None:
         """Queue a message; tensors must stay unchanged until sent (zero-copy)."""
@@ -176,27 +203,75 @@ class Dispatcher(threading.Thread):
 
     def run(self) -> None:
         """Send queued frames until closed; a failed send is kept for the round to report."""
+        next_watch = 0.0
         try:
-            while (item := self.q.get()) is not None:
+            while True:
+                try:
+                    item = self.q.get(timeout=WATCH_S) if self.report else self.q.get()
+                except queue.Empty:
+                    item = ("", [])
+                if item is None:
+                    break
+                if self.report is not None and time.monotonic() >= next_watch:
+                    self._watch()
+                    next_watch = time.monotonic() + WATCH_S
                 dst, frames = item
                 if dst == "__peers__":
-                    self._repoint(frames[0])
-                    continue
-                try:
-                    self._sock(dst).send_multipart(frames, copy=False)
-                except (zmq.ZMQError, KeyError, ConfigError) as exc:
-                    self.error = exc
-                    log.error("send failed", peer=dst, error=str(exc))
+                    self._repoint(frames[0], frames[1], frames[2])
+                elif dst:
+                    self._send(dst, frames)
         finally:
-            for sock in self._socks.values():
-                sock.close(0)
+            for name in list(self._socks):
+                self._close(name)
 
-    def _repoint(self, peers: dict[str, str]) -> None:
-        for name, sock in list(self._socks.items()):
+    def _send(self, dst: str, frames: list[Any]) -> None:
+        try:
+            self._sock(dst).send_multipart(frames, copy=False)
+        except (zmq.ZMQError, KeyError, ConfigError) as exc:
+            self.error = exc
+            log.error("send failed", peer=dst, error=str(exc))
+
+    def _repoint(self, peers: dict[str, str], epoch: int, watch: frozenset[str]) -> None:
+        for name in list(self._socks):
             if peers.get(name) != self.peers.get(name):
-                sock.close(0)
-                del self._socks[name]
+                self._close(name)
+                self.links.links.pop(name, None)  # a new address: a new connection
         self.peers = peers
+        if self.report is None:
+            return
+        self.links.repoint(epoch, (p for p in watch if p in peers))
+        for peer in sorted(self.links.watched):
+            try:
+                self._sock(peer)
+            except (zmq.ZMQError, ConfigError) as exc:  # its send will say so too
+                log.warning("cannot connect to a neighbour", peer=peer, error=str(exc))
+        self._watch()
+
+    def _watch(self) -> None:
+        """Read every monitor event waiting; tell `report` what changed."""
+        for peer, mon in self._monitors.items():
+            while mon.poll(0, zmq.POLLIN):
+                event = int(recv_monitor_message(mon)["event"])
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.links.connected(peer)
+                elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
+                    self.links.closed(peer)
+        assert self.report is not None
+        for peer, how in self.links.due(time.monotonic()):
+            log.info("neighbour connection", peer=peer, how=how, epoch=self.links.epoch)
+            try:
+                self.report(self.links.epoch, peer, how)
+            except Exception:  # lost evidence is the heartbeats' to cover, not a send's
+                log.exception("could not report a neighbour's connection", peer=peer)
+
+    def _close(self, peer: str) -> None:
+        """Close the DEALER to `peer` and its monitor socket, if it has one."""
+        sock = self._socks.pop(peer)
+        mon = self._monitors.pop(peer, None)
+        if mon is not None:
+            sock.disable_monitor()
+            mon.close(0)
+        sock.close(0)
 
     def _sock(self, dst: str) -> zmq.Socket[Any]:
         sock = self._socks.get(dst)
@@ -204,7 +279,14 @@ class Dispatcher(threading.Thread):
             # with keys: a CURVE client of the peer's own pair (its public file in the set)
             server_key = self.keys.server_key("worker", dst) if self.keys else None
             sock = connect_dealer(
-                self.ctx, self.peers[dst], self.identity, keys=self.keys, server_key=server_key
+                self.ctx,
+                self.peers[dst],
+                self.identity,
+                keys=self.keys,
+                server_key=server_key,
+                monitor=_LINK_EVENTS if self.report is not None else 0,
             )
+            if self.report is not None:
+                self._monitors[dst] = sock.get_monitor_socket()
             self._socks[dst] = sock
         return sock

@@ -6,12 +6,20 @@ own with an append-only file (`appendfsync everysec`, as `asteroid up` runs
 it), on a port that stays the same across a restart: a Redis SIGKILL loses
 what it had not written, and the restart really loads the AOF. Loopback has
 no links to cut, so `cut_restore` is not supported.
+
+Devices that join are ready before the job starts, as on the testbed: `spares`
+workers named `j1`, `j2`, ... are started first and SIGSTOPped once they are up
+(torch imported) and before any coordinator listens, so they register only when
+a `join` continues them, while the job runs. Starting one from nothing then
+would take longer (imports on a loaded machine) than a short run lasts.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +31,8 @@ from tests.chaos.backend import KINDS, Kind, require
 from tests.cluster import Budget, LocalCluster, tail
 
 DRAIN_TIMEOUT_S = 15.0
+SPARE_READY_S = 120.0
+"""A spare worker's start (torch imported) on a loaded machine."""
 
 
 class LoopbackBackend:
@@ -39,6 +49,7 @@ class LoopbackBackend:
         heartbeat_s: float = 0.3,
         env: dict[str, str] | None = None,
         budget: Budget | None = None,
+        spares: int = 0,
     ) -> None:
         self.out = out
         self.cluster = cluster
@@ -54,6 +65,7 @@ class LoopbackBackend:
         self._coordinator = "coordinator"
         self._coordinators = 0
         self.redis_url = ""
+        self.spares = [f"j{i}" for i in range(1, spares + 1)]
 
     @property
     def local(self) -> LocalCluster:
@@ -67,8 +79,13 @@ class LoopbackBackend:
         local = LocalCluster(
             self.out, self.redis_url, self.cluster, self._heartbeat_s, self._budget
         )
+        local.env.update({"ASTEROID_REPEATS": "1", "ASTEROID_WARMUP": "0"})  # quick profiles
         local.env.update(self._env)
         self._local, self._job, self._plan = local, job, plan
+        local.start_workers(self.spares)
+        for name in self.spares:
+            self._until_logged(name, "worker started")
+            self.stop(name)
         if plan is None:  # the planner plans the job, and takes joining devices in
             local.spawn("profiler", ["-m", "services.profiler.main", "--serve"])
             local.spawn("planner", ["-m", "services.planner.service"])
@@ -90,8 +107,6 @@ class LoopbackBackend:
         return problems
 
     def coordinator_exit(self, timeout_s: float) -> int | None:
-        import subprocess
-
         try:
             return self.local.procs[self._coordinator].wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -119,7 +134,17 @@ class LoopbackBackend:
         require(self, "cut_restore")
 
     def join(self, new_device: str) -> None:
-        self.local.start_workers([new_device])
+        if new_device in self.spares:
+            self.cont(new_device)
+        else:
+            self.local.start_workers([new_device])
+
+    def _until_logged(self, name: str, event: str, timeout_s: float = SPARE_READY_S) -> None:
+        end = time.monotonic() + timeout_s
+        while not any(e.get("event") == event for e in self.local.log_events(name)):
+            if self.local.procs[name].poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"{name} did not log {event!r}:\n{self.log_tail(name)}")
+            time.sleep(0.1)
 
     def drain(self, device: str) -> None:
         reply = ask_coordinator(

@@ -101,7 +101,7 @@ def _leftovers(backend: Backend, devices: set[str], timeout_s: float) -> list[st
 
 
 def chaos_run(
-    backend: Backend,
+    make_backend: Callable[[int], Backend],
     seed: int,
     events: int,
     *,
@@ -112,9 +112,15 @@ def chaos_run(
     rule: GrowthRule | None = None,
     log: Callable[[str], None] = print,
 ) -> Outcome:
-    """Draw the schedule, run it on `backend`, check the invariants, write the report."""
-    wanted = [k for k in (kinds or KINDS) if k in backend.supports]
+    """Draw the schedule, run it, check the invariants, write the report.
+
+    `make_backend(spares)` makes the backend, with `spares` devices ready to
+    join (named `j1`, `j2`, ... as the schedule names joiners).
+    """
+    wanted = [k for k in (kinds or KINDS) if k in make_backend(0).supports]
     schedule = draw(seed, events, wanted, initial_devices=len(devices), need=need)
+    joins = sum(1 for e in schedule.events if e.kind == "join")
+    backend = make_backend(joins)
     job = job_for(schedule, len(devices))
     rounds = int(job["rounds"])
     log(f"schedule (seed {seed}): {[e.kind for e in schedule.events]}; {rounds} rounds")
@@ -155,16 +161,17 @@ def chaos_run(
     return Outcome(result, checks, report)
 
 
-def _backend(name: str, out: Path) -> Backend:
+def _backend(name: str, out: Path) -> Callable[[int], Backend]:
     if name == "loopback":
         from tests.chaos.loopback import LoopbackBackend
 
-        return LoopbackBackend(
-            out, f"chaos-{int(time.time())}", env={"ASTEROID_REDIS_OUTAGE_S": "90"}
+        cluster = f"chaos-{int(time.time())}"
+        return lambda spares: LoopbackBackend(
+            out, cluster, env={"ASTEROID_REDIS_OUTAGE_S": "90"}, spares=spares
         )
     from tests.chaos.testbed_backend import TestbedBackend
 
-    return TestbedBackend(out)
+    return lambda spares: TestbedBackend(out, spares=spares)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -178,10 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
     parser.add_argument("--kinds", nargs="*", choices=list(KINDS), help="event kinds to draw")
     args = parser.parse_args(argv)
-    backend = _backend(args.backend, args.out)
+    make_backend = _backend(args.backend, args.out)
     names = [chr(ord("a") + i) for i in range(args.devices)]
     outcome = chaos_run(
-        backend,
+        make_backend,
         args.seed,
         args.events,
         devices=names,

@@ -64,11 +64,12 @@ class Schedule:
     initial_devices: int
     need: int
 
-    def rounds_needed(self, per_event: int = 4) -> int:
+    def rounds_needed(self, per_event: int = 10) -> int:
         """Rounds the job should have so that every event finds it running.
 
-        Each event's gap, plus `per_event` for what a recovery replays and the
-        rounds that pass while it is detected, plus a tail after the last one.
+        Each event's gap, plus `per_event` for the rounds that pass while it
+        lasts (a hang held, a join profiled and planned: the job goes on
+        meanwhile) and what a recovery replays, plus a tail after the last one.
         """
         return sum(e.gap_rounds + per_event for e in self.events) + 2 * per_event
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from tests.chaos import invariants
 from tests.chaos.backend import KINDS, Backend, Kind
 from tests.chaos.invariants import Check, GrowthRule
 from tests.chaos.report import write
-from tests.chaos.runner import Runner, RunResult
+from tests.chaos.runner import SETTLE_TIMEOUT_S, START_TIMEOUT_S, Runner, RunResult
 from tests.chaos.schedule import Schedule, draw
 from tests.reference import reference_train
 
@@ -110,12 +111,14 @@ def chaos_run(
     kinds: Sequence[Kind] | None = None,
     deadline: float,
     rule: GrowthRule | None = None,
+    timeouts: tuple[float, float] = (START_TIMEOUT_S, SETTLE_TIMEOUT_S),
     log: Callable[[str], None] = print,
 ) -> Outcome:
     """Draw the schedule, run it, check the invariants, write the report.
 
     `make_backend(spares)` makes the backend, with `spares` devices ready to
-    join (named `j1`, `j2`, ... as the schedule names joiners).
+    join (named `j1`, `j2`, ... as the schedule names joiners). `timeouts`: the
+    runner's waits for the first commit and for the job to be back from an event.
     """
     wanted = [k for k in (kinds or KINDS) if k in make_backend(0).supports]
     schedule = draw(seed, events, wanted, initial_devices=len(devices), need=need)
@@ -124,7 +127,18 @@ def chaos_run(
     job = job_for(schedule, len(devices))
     rounds = int(job["rounds"])
     log(f"schedule (seed {seed}): {[e.kind for e in schedule.events]}; {rounds} rounds")
-    runner = Runner(backend, schedule, job, None, devices, deadline=deadline, log=log)
+    start_s, settle_s = timeouts
+    runner = Runner(
+        backend,
+        schedule,
+        job,
+        None,
+        devices,
+        deadline=deadline,
+        start_timeout_s=start_s,
+        settle_timeout_s=settle_s,
+        log=log,
+    )
     result = runner.run()
     joined = {e.new_device for e in schedule.events if e.kind == "join"}
     left = _leftovers(backend, set(devices) | joined, min(LEFTOVER_WAIT_S, runner.left(60)))
@@ -185,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
     parser.add_argument("--kinds", nargs="*", choices=list(KINDS), help="event kinds to draw")
     args = parser.parse_args(argv)
+    testbed = args.backend == "testbed"
+    if testbed and os.geteuid() != 0:
+        print("the testbed backend builds network namespaces: run it as root", file=sys.stderr)
+        return 2
     make_backend = _backend(args.backend, args.out)
     names = [chr(ord("a") + i) for i in range(args.devices)]
     outcome = chaos_run(
@@ -195,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         need=args.need,
         kinds=args.kinds,
         deadline=time.time() + args.timeout,
+        # devices with a CPU quota on a loaded machine profile, plan and import slowly
+        timeouts=(400.0, 180.0) if testbed else (START_TIMEOUT_S, SETTLE_TIMEOUT_S),
     )
     print(outcome.report.read_text())
     if not outcome.ok:

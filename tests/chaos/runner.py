@@ -152,6 +152,8 @@ class Runner:
         *,
         deadline: float,
         sample_period_s: float = 1.0,
+        start_timeout_s: float = START_TIMEOUT_S,
+        settle_timeout_s: float = SETTLE_TIMEOUT_S,
         log: Callable[[str], None] = print,
     ) -> None:
         self.backend, self.schedule, self.job, self.plan = backend, schedule, job, plan
@@ -161,6 +163,7 @@ class Runner:
         self.sampler = Sampler(backend.pids, sample_period_s)
         self.gone: set[str] = set()
         self.log = log
+        self.start_timeout_s, self.settle_timeout_s = start_timeout_s, settle_timeout_s
 
     def left(self, cap_s: float) -> float:
         return max(0.0, min(cap_s, self.deadline - time.time()))
@@ -186,7 +189,7 @@ class Runner:
         warm = time.time()
         exit_code: int | None = None
         try:
-            if not self._until("the job to commit its first round", START_TIMEOUT_S, self._running):
+            if not self._until("the first commit", self.start_timeout_s, self._running):
                 problems.append("the job never committed a round")
             else:
                 warm = time.time()
@@ -226,7 +229,7 @@ class Runner:
             gap = event.gap_rounds
             ok = self._until(
                 f"{gap} rounds before event #{event.index}",
-                SETTLE_TIMEOUT_S,
+                self.settle_timeout_s,
                 partial(self._gap_done, back, gap),
             )
             if self._over():
@@ -357,5 +360,5 @@ class Runner:
             return True
 
         what = f"the job to be back from event #{rec.event.index}"
-        if not self._until(what, SETTLE_TIMEOUT_S, back):
+        if not self._until(what, self.settle_timeout_s, back):
             rec.note = rec.note or "not back in time"

@@ -14,8 +14,9 @@ chaos run needs:
   workers, which keep trying to reach it, find the new one;
 - Redis is SIGKILLed and started again on the same port from its append-only
   file (`kill_redis`/`start_redis`; the testbed is built with a `redis_dir`);
-- a device switched on mid-job (`join`: one of the spec's `spare` devices) and
-  a device powered on again after a kill (`power_on`).
+- a device switched on mid-job (`join`: one of the spec's `spare` devices,
+  started beforehand with its link down by `stage`, so that joining is the
+  link coming up) and a device powered on again after a kill (`power_on`).
 
 Every process is still the testbed's: `down` stops what runs and removes the
 namespaces, links and cgroups, also after a failed run. Processes started here
@@ -30,6 +31,7 @@ import contextlib
 import os
 import signal
 import subprocess
+from typing import Any
 
 from common.errors import AsteroidError, ConfigError
 from services.testbed import net
@@ -54,6 +56,12 @@ class ChaosTestbed(Testbed):
     """A testbed whose links, coordinator and Redis can fail and come back."""
 
     __test__ = False
+    _staged: set[str]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """As `Testbed`."""
+        super().__init__(*args, **kwargs)
+        self._staged = set()
 
     # --- a device's link ----------------------------------------------------------
 
@@ -89,13 +97,39 @@ class ChaosTestbed(Testbed):
         """Start a killed device's worker and profiler again."""
         self.start_device(dev)
 
+    def stage(self, dev: str) -> None:
+        """Start a spare device's worker with its link down: powered on, not yet connected.
+
+        The worker imports torch and keeps trying to reach the coordinator; `join`
+        then only brings the link up, so a join costs what joining costs, not
+        a process start under the device's quota.
+        """
+        name = self._spare(dev)
+        if name in self._staged:
+            return
+        self.link_down(name)
+        self.start_worker(name)
+        self._staged.add(name)
+
+    def staged(self) -> set[str]:
+        """Spare devices started by `stage` and not joined yet."""
+        return set(self._staged)
+
     def join(self, dev: str) -> None:
-        """Switch a spare device on: its worker and profiler start and join the coordinator."""
+        """Connect a spare device: a staged one's link comes up, else its services start."""
+        name = self._spare(dev)
+        self.spare.discard(name)
+        if name in self._staged:
+            self._staged.discard(name)
+            self.link_up(name)
+        else:
+            self.start_device(name)
+
+    def _spare(self, dev: str) -> str:
         name = self.spec.device(dev).name
         if name not in self.spare:
             raise ConfigError(f"device {dev} is not a spare device of this testbed")
-        self.spare.discard(name)
-        self.start_device(name)
+        return name
 
     def joined_workers(self) -> set[str]:
         """Devices whose worker the coordinator (any of its runs) logged as joined."""

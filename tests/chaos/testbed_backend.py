@@ -10,8 +10,10 @@ brings it up, which loopback cannot do.
 
 Devices that join are known before the run: the testbed is built with
 `spares` spare devices named as the schedule names joiners (`j1`, `j2`, ...),
-their namespaces and cgroups ready but nothing started in them; a join
-starts their worker and profiler. The coordinator runs the job itself
+their namespaces and cgroups ready. The next `AHEAD` of them run their worker
+with their link down (started, importing torch, unable to reach anyone); a
+join brings the link up, so it costs what joining costs rather than a process
+start under a fraction of a core. The coordinator runs the job itself
 (`--job FILE`): profiled, planned by the planner (so a join can re-plan),
 and, killed, started again with `--job FILE --resume`.
 
@@ -51,6 +53,8 @@ LINK_BPS = 100e6
 READY_S = 400.0
 """Importing torch under a 0.3-core quota on a loaded machine takes a while."""
 DRAIN_REPLY_S = 30.0
+AHEAD = 2
+"""Spare devices kept started with their link down, ready to join (`ChaosTestbed.stage`)."""
 
 
 def spec_for(devices: list[str], spares: int, subnet: str = SUBNET) -> TestbedSpec:
@@ -80,7 +84,7 @@ class TestbedBackend:
     supports: frozenset[Kind] = frozenset(KINDS)
 
     def __init__(
-        self, out: Path, spares: int = 6, subnet: str = SUBNET, heartbeat_s: float = 0.5
+        self, out: Path, spares: int = 16, subnet: str = SUBNET, heartbeat_s: float = 0.5
     ) -> None:
         self.out = out
         self.spares, self.subnet, self.heartbeat_s = spares, subnet, heartbeat_s
@@ -126,6 +130,7 @@ class TestbedBackend:
         self.bed = bed
         bed.up(services=True, ready_timeout_s=READY_S)
         self.redis_url = bed.redis_url
+        self._stage_ahead()
         # the runner is this testbed's operator: its requests (drain) use the testbed's keys
         self._keys_env = os.environ.get("ASTEROID_KEYS")
         os.environ["ASTEROID_KEYS"] = str(bed.keys)
@@ -174,16 +179,24 @@ class TestbedBackend:
     def restore_link(self, device: str) -> None:
         self._bed().link_up(device)
 
-    def join(self, new_device: str) -> None:
-        """Switch on the spare device `new_device` and wait until its worker joined.
+    def _stage_ahead(self) -> None:
+        """Keep `AHEAD` spare devices started with their link down, the next joiners first."""
+        bed = self._bed()
+        waiting = [d for d in bed.devices if d in bed.spare]
+        for dev in waiting[:AHEAD]:
+            bed.stage(dev)
 
-        The wait (bounded by `READY_S`) is the worker's start, importing torch
-        under its quota: a device switched on, not yet the job's reaction to it,
-        so the runner's bounded wait for the re-plan starts once it is there.
-        ConfigError if the testbed has no such spare device.
+    def join(self, new_device: str) -> None:
+        """Connect the spare device `new_device` and wait until its worker joined.
+
+        A staged device (the usual case) only has its link brought up; one not
+        staged yet starts its worker, importing torch under its quota. Either
+        way the wait (bounded by `READY_S`) is the device coming on, not the
+        job's reaction to it. ConfigError if the testbed has no such spare.
         """
         bed = self._bed()
         bed.join(new_device)
+        self._stage_ahead()
         deadline = time.monotonic() + READY_S
         worker = bed.procs[f"{new_device}.worker"]
         while new_device not in bed.joined_workers():

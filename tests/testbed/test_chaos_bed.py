@@ -89,7 +89,10 @@ def test_redis_and_coordinator_come_back_and_a_spare_device_joins(tmp_path, subn
 
         with pytest.raises(ConfigError):
             tb.join("no-such-device")
-        tb.join("dev-b")
+        tb.stage("dev-b")  # started with its link down: it cannot reach the coordinator
+        assert not tb.link_is_up("dev-b") and tb.staged() == {"dev-b"}
+        tb.join("dev-b")  # its link comes up and the running worker joins
+        assert tb.link_is_up("dev-b") and tb.staged() == set()
         deadline = time.monotonic() + 300
         while not _joined(tb.log_dir / "coordinator.log", "dev-b"):  # the restarted one
             tb.check()

@@ -9,7 +9,8 @@ heartbeat, at the point where its liveness bookkeeping takes it (a tap on its
 dispatch, nothing else changed). `--burn P` adds P processes spinning on the
 CPU for the whole run, a machine busier than the workers alone make it. The
 table gives, per device and over all, the inter-arrival gaps' median, p90, p99
-and maximum, and the timeouts `services.coordinator.timeouts.derive` gives for
+and maximum (and of the rounds' times, from the job's metrics, round 0 left
+out), and the timeouts `services.coordinator.timeouts.derive` gives for
 them under the default settings; printed and, with `--out`, written as
 heartbeat_jitter.md.
 
@@ -36,11 +37,13 @@ from pathlib import Path
 from common.embedded_redis import EmbeddedRedis
 from common.ids import DeviceId
 from common.settings import CoordinatorSettings
+from common.store import Store
 from services.coordinator.timeouts import (
     Bounds,
     Observed,
     derive,
     observe_beat,
+    observe_round,
     quantile,
 )
 from tests.cluster import Budget, LocalCluster
@@ -101,13 +104,14 @@ def _redis_url() -> Iterator[str]:
             yield server.url
 
 
-def run(rounds: int, heartbeat_s: float, burn: int, deadline_s: float) -> dict[str, list[float]]:
-    """Arrival times of each worker's heartbeats while the job ran."""
+def run(
+    rounds: int, heartbeat_s: float, burn: int, deadline_s: float
+) -> tuple[dict[str, list[float]], list[float]]:
+    """Arrival times of each worker's heartbeats while the job ran, and its rounds' seconds."""
     budget = Budget(deadline_s)
     with tempfile.TemporaryDirectory() as tmp, burners(burn), _redis_url() as url:
-        cluster = LocalCluster(
-            Path(tmp), url, f"jitter-{uuid.uuid4().hex[:8]}", heartbeat_s, budget
-        )
+        name = f"jitter-{uuid.uuid4().hex[:8]}"
+        cluster = LocalCluster(Path(tmp), url, name, heartbeat_s, budget)
         try:
             cluster.start_workers(WORKERS)
             job = {
@@ -130,15 +134,25 @@ def run(rounds: int, heartbeat_s: float, burn: int, deadline_s: float) -> dict[s
             for line in beats.read_text().splitlines():
                 dev, at = line.split()
                 times.setdefault(dev, []).append(float(at))
-            return times
+            store = Store(url, name)
+            try:
+                metrics = store.read("metrics", "jitter")
+                store.delete(*store.keys(""))
+            finally:
+                store.close()
+            return times, [float(m["round_s"]) for m in metrics if "round_s" in m]
         finally:
             cluster.close()
 
 
-def report(times: dict[str, list[float]], heartbeat_s: float, burn: int, rounds: int) -> str:
+def report(
+    times: dict[str, list[float]], round_s: list[float], heartbeat_s: float, burn: int
+) -> str:
     """The gaps' table and the timeouts derived from them, as markdown."""
     settings = CoordinatorSettings(heartbeat_s=heartbeat_s)
     obs, rows, every = Observed(), [], []
+    for r in round_s[1:]:  # round 0 pays for connections and first allocations
+        obs = observe_round(obs, r)
     for dev in sorted(times):
         ts = sorted(times[dev])
         gaps = [b - a for a, b in itertools.pairwise(ts)]
@@ -149,8 +163,9 @@ def report(times: dict[str, list[float]], heartbeat_s: float, burn: int, rounds:
     rows.append(("all", every))
     load = os.getloadavg()
     lines = [
-        f"heartbeat_s {heartbeat_s:g}, {rounds} rounds of small_cnn on 4 workers, {burn} extra "
-        f"CPU burners, {os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f}",
+        f"heartbeat_s {heartbeat_s:g}, {len(round_s)} rounds of small_cnn on 4 workers, "
+        f"{burn} extra CPU burners, {os.cpu_count()} cores, "
+        f"load average {load[0]:.1f} {load[1]:.1f}",
         "",
         "| device | gaps | median ms | p90 ms | p99 ms | max ms |",
         "|---|---|---|---|---|---|",
@@ -160,6 +175,9 @@ def report(times: dict[str, list[float]], heartbeat_s: float, burn: int, rounds:
             continue
         q = [quantile(gaps, p) * 1000 for p in (0.5, 0.9, 0.99, 1.0)]
         lines.append(f"| {dev} | {len(gaps)} | " + " | ".join(f"{v:.0f}" for v in q) + " |")
+    if len(round_s) > 1:
+        q = [quantile(round_s[1:], p) * 1000 for p in (0.5, 0.9, 0.99, 1.0)]
+        lines.append(f"| rounds | {len(round_s) - 1} | " + " | ".join(f"{v:.0f}" for v in q) + " |")
     eff = derive(Bounds.of(settings), obs)
     lines += ["", "derived from the last window of each device (default settings as bounds):"]
     for name in ("heartbeat_deadline_s", "probe_timeout_s", "flap_grace_s", "peer_timeout_s"):
@@ -177,8 +195,8 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=600.0)
     a = ap.parse_args()
     began = time.monotonic()
-    times = run(a.rounds, a.heartbeat_s, a.burn, a.deadline_s)
-    text = report(times, a.heartbeat_s, a.burn, a.rounds)
+    times, round_s = run(a.rounds, a.heartbeat_s, a.burn, a.deadline_s)
+    text = report(times, round_s, a.heartbeat_s, a.burn)
     text += f"\n\n(run took {time.monotonic() - began:.0f} s)"
     print(text)
     if a.out is not None:

@@ -66,8 +66,8 @@ bench-cli:  ## CLI cold start (--version, status, cancel, infer --help) against 
 bench-edge:  ## real training on the emulated edge testbed (root): planners side by side
 	$(BIN)/python -m tests.bench.bench_edge --out bench-results/edge --memory-case
 
-bench-recovery:  ## recovery on the edge testbed (root): each device of Env D lost, lightweight vs heavy re-plan
-	$(BIN)/python -m tests.bench.bench_recovery --out bench-results/recovery
+bench-recovery:  ## recovery on the edge testbed (root): each device of Env D killed (lightweight, heavy) and SIGSTOPped, kill -> first commit by part; ARGS=--quick
+	$(BIN)/python -m tests.bench.bench_recovery --out bench-results/recovery $(ARGS)
 
 bench-adapt:  ## adaptation on the edge testbed (root): a device throttled mid-job, re-partitioned
 	$(BIN)/python -m tests.bench.bench_adapt --out bench-results/adapt

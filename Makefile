@@ -75,6 +75,10 @@ bench-adapt:  ## adaptation on the edge testbed (root): a device throttled mid-j
 bench-elastic:  ## join and drain on the edge testbed (root), against fresh 4- and 3-device plans
 	$(BIN)/python -m tests.bench.bench_elastic --out bench-results/elastic
 
+.PHONY: chaos
+chaos:  ## a seeded chaos run on the edge testbed (root): 25 membership events on one job, invariants, event table and plot (bench-results/chaos)
+	$(BIN)/python -m tests.chaos.run --backend testbed --seed 28 --events 25 --devices 4 --need 2 --out bench-results/chaos
+
 bench-galaxy:  ## Galaxy serving on the edge testbed (root): galaxy, megatron, sp, local; links swept
 	$(BIN)/python -m tests.bench.bench_galaxy --out bench-results/galaxy
 

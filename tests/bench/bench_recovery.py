@@ -101,7 +101,7 @@ def one_run(
     )
     measure(store, run, 2, bed.heartbeat_s)
     run.ledger = ledger_verdict(store, jid, rounds) if run.state == "finished" else ""
-    run.after_cont = after_cont(store, run)
+    run.after_cont = after_cont(store, run, bed.log_dir / "coordinator.log")
     worker_side(bed.log_dir, run)
     _say(run, time.monotonic() - t0)
     return run

@@ -25,7 +25,14 @@ from common.store import Store
 from services.testbed.bed import Testbed
 from tests.bench.recovery_report import Run
 
-__all__ = ["cont_pids", "ledger_verdict", "stop_device", "timeouts_in_force", "worker_side"]
+__all__ = [
+    "cont_pids",
+    "ignored_from",
+    "ledger_verdict",
+    "stop_device",
+    "timeouts_in_force",
+    "worker_side",
+]
 
 STOP_PASSES = 3
 """Passes over the device's processes: one started meanwhile is stopped by the next pass."""
@@ -90,6 +97,30 @@ def timeouts_in_force(store: Store, jid: str, heartbeat_s: float) -> tuple[float
     text = f"settings: heartbeat deadline {heartbeat_s:g} s x {misses} = {deadline:g} s"
     text += f", probe {probe:g} s"
     return deadline, probe, text
+
+
+IGNORED_WORDS = ("ignored", "dropped", "stale", "refused")
+"""Words of the coordinator's log events that say it set a message aside."""
+
+
+def ignored_from(log: Path, dev: str, since: float, until: float) -> dict[str, int]:
+    """The coordinator's log events between `since` and `until` that set aside something
+    of device `dev` (an old probe answer, a stale reply, a report of an old epoch), counted."""
+    found: dict[str, int] = {}
+    if not log.exists():
+        return found
+    for raw in log.read_text(errors="replace").splitlines():
+        try:
+            line = json.loads(raw)
+            stamp = datetime.datetime.fromisoformat(str(line.get("timestamp", ""))).timestamp()
+        except (ValueError, AttributeError):
+            continue
+        event = str(line.get("event", ""))
+        if not since <= stamp <= until or not any(w in event for w in IGNORED_WORDS):
+            continue
+        if dev in (str(line.get(k, "")) for k in ("device", "peer", "worker", "about")):
+            found[event] = found.get(event, 0) + 1
+    return found
 
 
 WORKER_PARTS = ("send_s", "wait_s", "build_s", "read_s", "load_s")

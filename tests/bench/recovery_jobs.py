@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any, cast
 
 from common.job import JobSpec
@@ -18,7 +19,7 @@ from common.messages import SubmitJob
 from common.store import Store
 from services.cli.client import ask_coordinator
 from services.testbed.bed import Testbed
-from tests.bench.recovery_faults import cont_pids, stop_device, timeouts_in_force
+from tests.bench.recovery_faults import cont_pids, ignored_from, stop_device, timeouts_in_force
 from tests.bench.recovery_parts import detection_signal, split
 from tests.bench.recovery_report import CHECKPOINT_EVERY, Run
 
@@ -195,18 +196,24 @@ def measure(store: Store, run: Run, skip: int, heartbeat_s: float) -> None:
         run.bound_s = deadline + probe + run.round_s
 
 
-def after_cont(store: Store, run: Run) -> str:
-    """What a stopped device did once let go: heartbeats again, taken back in, or neither."""
+def after_cont(store: Store, run: Run, coordinator_log: Path) -> str:
+    """What a stopped device did once let go: heartbeats again, taken back in, or neither,
+    and what of it the coordinator set aside (its messages of the old epoch)."""
     if run.t_cont is None:
         return "never let go during the job" if run.fault == "sigstop" else ""
     seen = float(store.get_fields("device", run.device).get("seen", 0.0))
+    events = _stream(store, "events", run.job_id)
     back = [
-        e.get("event")
-        for t, e in _stream(store, "events", run.job_id)
+        str(e.get("event"))
+        for t, e in events
         if t > run.t_cont and e.get("event") in ("replanned", "recovered", "recovering")
     ]
+    end = max((t for t, _ in events), default=run.t_cont)
+    ignored = ignored_from(coordinator_log, run.device, run.t_cont, end + 1.0)
+    aside = "; ".join(f"{n} x {event}" for event, n in sorted(ignored.items()))
     return (
         f"let go {run.t_cont - (run.t_kill or run.t_cont):.1f} s after the stop: "
         f"{'heartbeats again' if seen > run.t_cont else 'no heartbeat since'}"
-        f"{', then ' + ', '.join(map(str, back)) if back else ', not taken back in'}"
+        f"{', then ' + ', '.join(back) if back else ', not taken back in'}"
+        f"; the coordinator set aside: {aside or 'nothing logged'}"
     )

@@ -2,6 +2,7 @@
 from a job's streams in a real Redis, its ledger check and its SIGSTOP of real processes."""
 
 import csv
+import datetime
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from common.ledger import rollback_entry, round_entry
 from common.store import Store
 from tests.bench.bench_recovery import main
-from tests.bench.recovery_faults import cont_pids, ledger_verdict, stop_device
+from tests.bench.recovery_faults import cont_pids, ignored_from, ledger_verdict, stop_device
 from tests.bench.recovery_jobs import measure
 from tests.bench.recovery_report import Run
 
@@ -165,3 +166,31 @@ def test_a_stopped_device_is_every_process_of_it_stopped_until_let_go() -> None:
         for p in procs:
             p.kill()
             p.wait(timeout=10)
+
+
+def test_what_the_coordinator_set_aside_of_a_device_let_go_is_counted(tmp_path: Path) -> None:
+    """Its log's events that ignore or drop a message of the device, within the window."""
+
+    def line(at: float, event: str, **kw: str) -> str:
+        stamp = datetime.datetime.fromtimestamp(at, datetime.timezone.utc).isoformat()
+        return json.dumps({"timestamp": stamp, "event": event, "level": "info", **kw})
+
+    log = tmp_path / "coordinator.log"
+    log.write_text(
+        "\n".join(
+            [
+                line(99.0, "ignored a probe answer nobody waits for", device="nano-0"),
+                line(101.0, "ignored a probe answer nobody waits for", device="nano-0"),
+                line(101.5, "dropped a peer report", peer="nano-0", about="nano-1"),
+                line(102.0, "dropped a peer report", peer="nano-2", about="nano-1"),
+                line(102.5, "round committed", device="nano-0"),
+                "not json",
+                line(120.0, "ignored a probe answer nobody waits for", device="nano-0"),
+            ]
+        )
+    )
+    assert ignored_from(log, "nano-0", 100.0, 110.0) == {
+        "ignored a probe answer nobody waits for": 1,
+        "dropped a peer report": 1,
+    }
+    assert ignored_from(tmp_path / "absent.log", "nano-0", 0.0, 1e12) == {}

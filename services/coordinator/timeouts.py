@@ -251,7 +251,7 @@ def derive(bounds: Bounds, obs: Observed) -> Effective:
         rtt, basis = max(0.0, _lateness(bounds, obs)), "p99 heartbeat lateness"
     if rtt is None:
         probe, why["probe_timeout_s"] = bounds.probe_timeout_s, "bound (nothing measured)"
-        grace, why["flap_grace_s"] = min(bounds.flap_grace_s, FLAP_FLOOR_S), "floor"
+        grace, why["flap_grace_s"] = bounds.flap_grace_s, "bound (nothing measured)"
     else:
         probe, won = _clamp(bounds.probe_timeout_s, PROBE_FLOOR_S, K_PROBE * rtt)
         why["probe_timeout_s"] = f"{won} ({K_PROBE:g} x {basis} {_ms(rtt)})"

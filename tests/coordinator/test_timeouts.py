@@ -71,7 +71,7 @@ def test_nothing_measured_gives_the_bounds() -> None:
     assert eff.heartbeat_deadline_s == BOUNDS.heartbeat_deadline_s == 3.0
     assert eff.probe_timeout_s == BOUNDS.probe_timeout_s
     assert eff.peer_timeout_s == BOUNDS.peer_timeout_s
-    assert eff.flap_grace_s == FLAP_FLOOR_S  # nothing to wait for beyond a reconnect
+    assert eff.flap_grace_s == BOUNDS.flap_grace_s
     assert set(eff.why) == set(FIELDS)
     assert "nothing measured" in eff.why["heartbeat_deadline_s"]
 

@@ -89,6 +89,9 @@ class Envelope:
     route: bytes = b""
     """The ROUTER's routing identity of the connection it came on (routed receive), which
     replies go to; `peer` is this without its nonce."""
+    fd: int = -1
+    """The file descriptor of the TCP connection it came on (routed receive; -1: none, as on
+    inproc): a socket monitor names a closed connection by it."""
 
 
 @cache
@@ -276,6 +279,7 @@ def recv_message(
         if routed and sock.getsockopt(zmq.MECHANISM) == zmq.CURVE:
             user = _authenticated(head, peer)
         header, msg = _parse_header(head.bytes, peer, limits)
+        fd = _source_fd(head) if routed else -1
         peer = peer if routed else str(header.get("sender", "?"))
         metas = header.get("tensors", [])
         if not isinstance(metas, list) or len(metas) > limits.max_tensors:
@@ -304,7 +308,16 @@ def recv_message(
         user=user,
         fence=_fence(header.get("fence", 0), peer),
         route=route,
+        fd=fd,
     )
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection `frame` came on; -1 where there is none (inproc)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
+        return -1
 
 
 def peer_of_route(route: bytes) -> str:

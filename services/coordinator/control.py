@@ -1,6 +1,8 @@
 """The coordinator's control socket: who may send what, and the way back to each peer.
 
-One ROUTER carries the control plane. Reading it is bounded (`receive` hands on
+One ROUTER carries the control plane; its monitor tells which peers' connections
+closed (`closed`), the fastest sign that a worker process died (its kernel
+closes its sockets at once). Reading it is bounded (`receive` hands on
 at most `PUMP_MAX_MESSAGES` messages or `PUMP_MAX_S` seconds' worth per call),
 every message is checked against its sender before anyone sees it (a device
 claims only its own name; each key role sends only its own message types), and
@@ -11,11 +13,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from common.codec import Limits, recv_message, send_message
 from common.curve import is_loopback, load_keys
@@ -30,6 +33,7 @@ from common.sockets import bind_router, reset_router
 __all__ = [
     "ANY_ROLE",
     "CLIENT_REQUESTS",
+    "CLOSED_MAX",
     "CONTROL_ROLES",
     "MAX_ROUTES",
     "NAME",
@@ -51,6 +55,10 @@ PUMP_MAX_S = 0.05
 MAX_ROUTES = 4_096
 """Peers whose latest connection is remembered: far beyond a cluster's devices, services
 and clients; a device heartbeats every second, so it is never the least recent."""
+CLOSED_MAX = 4_096
+"""Closed connections kept until the loop reads them (the oldest go beyond)."""
+MONITOR_MAX_EVENTS = 1_000
+"""Most monitor events one `receive` call reads (the rest wait for the next call)."""
 CONTROL_ROLES = ("worker", "service", "operator")
 """Key roles the control socket admits; what each may send is `SENDER_ROLES`."""
 SENDER_ROLES = {
@@ -61,6 +69,7 @@ SENDER_ROLES = {
     "checkpoint_saved": "worker",
     "worker_error": "worker",
     "probe_reply": "worker",
+    "peer_down": "worker",
     "replica_saved": "worker",
     "links_measured": "worker",
     "blocks_profiled": "worker",
@@ -123,6 +132,13 @@ class ControlSocket:
             self.ctx, settings.bind, self.limits, keys=keys, roles=CONTROL_ROLES
         )
         self._keys = keys
+        self._monitor = self._watch()
+        self._fds: dict[int, DeviceId] = {}
+        """The peer each open connection's descriptor last carried a message of."""
+        self._fresh: set[int] = set()
+        """Descriptors that carried a message since the monitor was last read."""
+        self.closed: deque[tuple[DeviceId, float]] = deque(maxlen=CLOSED_MAX)
+        """Peers whose connection closed, and when (monotonic), for the loop to read."""
         self.guard = MemoryGuard.above_now(settings.inbound_margin)
         """Resets the socket should peers' unfinished messages outgrow the margin."""
         self.routes: OrderedDict[str, bytes] = OrderedDict()
@@ -176,8 +192,49 @@ class ControlSocket:
                 self._refuse_request(exc)
                 continue
             self.remember_route(peer, env.route)
+            if env.fd >= 0 and "/" not in peer:  # sessions (NAME/SESSION) are never devices
+                self._fds[env.fd] = DeviceId(peer)
+                self._fresh.add(env.fd)
             if self._admitted(peer, env.user, env.msg):
                 yield DeviceId(peer), env.msg
+        self._read_monitor()
+
+    def _watch(self) -> zmq.Socket[Any]:
+        """The monitor of the ROUTER: connections accepted and closed, each by descriptor.
+
+        ZeroMQ names a closed connection by its descriptor, not its routing id;
+        every message's frame names the descriptor it came on (`Envelope.fd`,
+        ZMQ_SRCFD), so the last peer heard on a descriptor is the one that closed.
+        """
+        return self.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+
+    def _read_monitor(self) -> None:
+        """Note the peers whose connection closed since the last call, with the time now.
+
+        Read after the messages waiting, so a message its peer sent before its
+        connection closed is not taken for a sign of life after the close. A
+        descriptor accepted again belongs to a new connection whose peer is not
+        known until it speaks (unless it spoke in this very call: its accept is
+        read after its first message). Should a descriptor close and be reused
+        within one call, the closed one may be taken for the new one's peer: a
+        false suspect, which its heartbeats or its probe's answer clear.
+        """
+        now = time.monotonic()
+        fresh, self._fresh = self._fresh, set()
+        for _ in range(MONITOR_MAX_EVENTS):
+            if not self._monitor.poll(0, zmq.POLLIN):
+                return
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart())
+            except (zmq.ZMQError, ValueError, TypeError) as exc:
+                log.warning("unreadable control socket event", error=str(exc))
+                continue
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                if fd not in fresh:
+                    self._fds.pop(fd, None)
+            elif (peer := self._fds.pop(fd, None)) is not None:
+                self.closed.append((peer, now))
 
     def _admitted(self, peer: str, user: str, msg: Message) -> bool:
         """Whether `peer` may send `msg`: it names no other device, its key's role allows it."""
@@ -222,9 +279,12 @@ class ControlSocket:
                 limit=self.guard.limit,
                 resets=self.guard.resets,
             )
+            self._monitor.close(0)
             self.sock = reset_router(self.sock, self.ctx, self.limits, self._keys, CONTROL_ROLES)
+            self._monitor, self._fds = self._watch(), {}
 
     def close(self) -> None:
-        """Release the socket and its context."""
+        """Release the socket, its monitor and its context."""
+        self._monitor.close(0)
         self.sock.close(0)
         self.ctx.term()

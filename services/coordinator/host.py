@@ -19,6 +19,7 @@ from common.store import Store
 from services.coordinator.checks import CheckedJob
 from services.coordinator.core import Heard, Log, SendProbe
 from services.coordinator.fair_queue import FairQueue
+from services.coordinator.in_force import InForce
 from services.coordinator.membership import Members
 
 __all__ = ["Host"]
@@ -43,6 +44,8 @@ class Host(Protocol):
     infer_queue: FairQueue[Any]
     services: dict[str, float]
     """Services heard from, and when they last said hello (monotonic seconds)."""
+    timeouts: InForce
+    """The detection timeouts in force (a job's limits and its Assigns follow them)."""
 
     def send(self, device: DeviceId, msg: Message) -> None:
         """Send a control message to a peer."""

@@ -129,8 +129,8 @@ class Effects:
     def shared(self, cmd: Shared | SendProbe | Heard, tried_once: bool = False) -> None:
         """Carry out a command either core gives (the training core's: Redis `tried_once`)."""
         coord, store, jid = self.coord, self.store, self.jid
-        if isinstance(cmd, Send):
-            coord.send(cmd.device, cmd.msg)
+        if isinstance(cmd, Send):  # an Assign carries the neighbour timeout in force
+            coord.send(cmd.device, coord.timeouts.stamped(cmd.msg))
         elif isinstance(cmd, SendProbe | Heard | Log):
             coord.carry_out(cmd)
         elif isinstance(cmd, Record):

@@ -383,6 +383,7 @@ class JobRun:
             memory,
             self.checked.eval_size,
         )
+        run = coord.timeouts.follow(None, run)  # the limits in force, not the settings
         run, more = driver.apply(run, Beats(coord.members), time.monotonic())
         self.train = run
         self._carry_out([*commands, *more])
@@ -392,7 +393,7 @@ class JobRun:
         run = self.train
         assert run is not None  # training started
         run, commands = driver.apply(run, event, time.monotonic())
-        self.train = run
+        self.train = self.coord.timeouts.follow(self.train, run)
         self._carry_out(commands)
 
     def _carry_out(self, commands: list[Command]) -> None:

@@ -28,7 +28,17 @@ from common.serving_messages import (
     TransformerShape,
 )
 from services.coordinator import core
-from services.coordinator.core import Beats, Heard, Log, ProbeAnswer, Reply, SendProbe, Tick, Wait
+from services.coordinator.core import (
+    Beats,
+    Heard,
+    Log,
+    ProbeAnswer,
+    Reply,
+    SendProbe,
+    Signalled,
+    Tick,
+    Wait,
+)
 from services.coordinator.infer_requests import PendingRequest
 from services.coordinator.job_state import Cancelled, Record, Send, SetAssigned
 from services.coordinator.membership import Members, Probes
@@ -219,7 +229,9 @@ class Broke:
     error: str
 
 
-Event = Reply | Beats | ProbeAnswer | Tick | Cancelled | Waiting | Taken | ShapeRead | Broke
+Event = (
+    Reply | Beats | ProbeAnswer | Tick | Signalled | Cancelled | Waiting | Taken | ShapeRead | Broke
+)
 
 
 # --- commands -----------------------------------------------------------------

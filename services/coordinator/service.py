@@ -116,6 +116,7 @@ class Coordinator:
         self.gather = self.waits.gather
         self.request_plan = self.waits.request_plan
         self.inbox, self.replica_news = self.waits.inbox, self.waits.replica_news
+        self.timeouts = self.waits.timeouts
         self.routes = self.control.routes
 
     # --- state the runs and the tests read and set: the cluster core's -------------

@@ -1,8 +1,11 @@
 """What the loop reads (`events`), and the few waits that happen outside it.
 
 `events` is how the coordinator's one loop sees the network: it pumps the socket
-once and yields the membership, replica reports, replies and probe answers and a
-tick, for the running job's shell to feed its core. The blocking waits below
+once and yields the membership, the peers whose control connection closed,
+replica reports, replies, probe answers and neighbours' liveness reports (a
+`PeerDown` becomes a signal naming its reporter) and a tick, for the running
+job's shell to feed its core; on the way it feeds the timeouts in force
+(`in_force`) what it saw. The blocking waits below
 (`request_plan`: a plan asked of the planner before the loop starts, for
 `--plan planner:NAME`; `wait_for_devices` and `gather`, which tests use to drive
 workers step by step) keep serving the socket while they wait, and judge silent
@@ -23,7 +26,15 @@ from pydantic import ValidationError
 from common.errors import ConfigError, PlanError
 from common.ids import DeviceId
 from common.logging import get_logger
-from common.messages import Message, PlanReply, PlanRequest, Probe, ProbeReply, ReplicaSaved
+from common.messages import (
+    Message,
+    PeerDown,
+    PlanReply,
+    PlanRequest,
+    Probe,
+    ProbeReply,
+    ReplicaSaved,
+)
 from common.plan import Plan
 from common.profile import ClusterSpec
 from common.records.documents import put_plan
@@ -34,18 +45,23 @@ from services.coordinator.control import ControlSocket
 from services.coordinator.core import (
     Beats,
     Complete,
+    Disconnected,
     Event,
     Fail,
     Heard,
     Log,
     Lost,
+    PeerSilent,
     ProbeAnswer,
+    Reconnected,
     Reply,
     SendProbe,
     Tick,
     apply,
     begin,
 )
+from services.coordinator.detection import COORDINATOR, Suspects
+from services.coordinator.in_force import InForce
 from services.coordinator.membership import Members, heard
 from services.coordinator.outcomes import DeviceLost, JobCancelled, JobFailed
 from services.coordinator.prepare_steps import PLANNER
@@ -81,6 +97,10 @@ class Waits:
         """A wait or a running job reads the inbox: probe answers go there too."""
         self._next_nonce = 1
         """The nonce of the next probe; never reused while this coordinator lives."""
+        self.timeouts = InForce(settings, store, writes.write_soon)
+        """The detection timeouts in force, derived from what the loop sees."""
+        self.suspects: Suspects = {}
+        """Suspects of `gather`'s waits, kept from one to the next (a job keeps its own)."""
 
     def check_cancelled(self, jid: str) -> None:
         """Raise JobCancelled if someone cancelled job `jid`."""
@@ -144,20 +164,33 @@ class Waits:
     def events(self, poll_s: float = 0.05) -> Iterator[Event]:
         """What happened since the last look, as events for a wait's or a job's core.
 
-        Pumps the socket once, then yields the membership, each replica report
-        and inbox message (probe answers among them), and a tick. Messages are
+        Pumps the socket once, then yields the membership, the control
+        connections that closed, each replica report and inbox message (probe
+        answers and neighbours' reports among them), and a tick. Messages are
         taken from the inbox one at a time: what a caller leaves after a verdict
         stays there, in order, for the next step. Callers set `collecting` while
         they read events, so that probe answers come this way too.
         """
         self.pump(poll_s)
-        yield Beats(self.cluster.state.members)
+        now, state = time.monotonic(), self.cluster.state
+        self.timeouts.beats(state.members, state.assigned)
+        self.timeouts.refresh(state.running, now)
+        yield Beats(state.members)
+        while self.control.closed:
+            peer, at = self.control.closed.popleft()
+            yield Disconnected(peer, COORDINATOR, at)
         while self.replica_news:
             news = self.replica_news.popleft()
             yield Reply(news.device, news)
         for _ in range(len(self.inbox)):
             peer, msg = self.inbox.popleft()
-            yield ProbeAnswer(peer, msg.nonce) if isinstance(msg, ProbeReply) else Reply(peer, msg)
+            if isinstance(msg, ProbeReply):
+                self.timeouts.probe_answered(peer, msg.nonce, now)
+                yield ProbeAnswer(peer, msg.nonce)
+            elif isinstance(msg, PeerDown):
+                yield signal_of(peer, msg, now)
+            else:
+                yield Reply(peer, msg)
         yield Tick()
 
     def carry_out(self, cmd: SendProbe | Heard | Log) -> None:
@@ -169,6 +202,7 @@ class Waits:
                 silent_s=round(cmd.silent_s, 2),
                 nonce=cmd.nonce,
             )
+            self.timeouts.probe_sent(cmd.device, cmd.nonce, time.monotonic())
             self.control.send(cmd.device, Probe(nonce=cmd.nonce))
         elif isinstance(cmd, Heard):
             self.cluster.set(members=heard(self.cluster.state.members, cmd.device, cmd.at))
@@ -196,7 +230,7 @@ class Waits:
             JobFailed: A device reported an error, or the replies took over `timeout_s`.
 
         """
-        s = self.settings
+        eff = self.timeouts.effective
         wait = begin(
             kind,
             devices,
@@ -204,12 +238,14 @@ class Waits:
             round_no,
             time.monotonic(),
             timeout_s,
-            s.heartbeat_s * s.heartbeat_misses,
-            s.probe_timeout_s,
+            eff.heartbeat_deadline_s,
+            eff.probe_timeout_s,
             watchdog_s,
             self.cluster.state.members,
             self.cluster.state.probes,
             self._next_nonce,
+            suspects=self.suspects,
+            flap_grace_s=eff.flap_grace_s,
         )
         self.collecting = True
         try:
@@ -217,7 +253,7 @@ class Waits:
                 for event in self.events():
                     wait, commands = apply(wait, event, time.monotonic())
                     self.cluster.set(probes=wait.probes)
-                    self._next_nonce = wait.next_nonce
+                    self._next_nonce, self.suspects = wait.next_nonce, wait.suspects
                     for cmd in commands:
                         if isinstance(cmd, Lost):
                             raise DeviceLost(cmd.devices, cmd.reason)
@@ -258,3 +294,15 @@ class Waits:
         if not reply.ok or reply.plan is None:
             raise PlanError(f"planner {req.planner!r} failed: {reply.error or 'no plan sent'}")
         return reply.plan, reply.current_round_s
+
+
+def signal_of(peer: DeviceId, msg: PeerDown, now: float) -> Disconnected | Reconnected | PeerSilent:
+    """A neighbour's report as the core's signal: `peer` (its sender) is the reporter.
+
+    The core checks it against the running plan and epoch (`detection.refusal`).
+    """
+    if msg.how == "disconnected":
+        return Disconnected(msg.peer, peer, now, msg.epoch)
+    if msg.how == "reconnected":
+        return Reconnected(msg.peer, peer, msg.epoch)
+    return PeerSilent(msg.peer, peer, msg.waited_s, msg.epoch)

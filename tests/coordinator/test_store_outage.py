@@ -42,6 +42,7 @@ from services.coordinator.driver import (
     StorePlan,
 )
 from services.coordinator.held import Away, Held
+from services.coordinator.in_force import InForce
 from services.coordinator.jobs import JobRun
 from services.coordinator.membership import Members, on_heartbeat
 from services.coordinator.store_outage import StoreBack, StoreDown
@@ -364,6 +365,7 @@ class FakeHost:
         self.cancelled: dict[str, str] = {}
         self.drains: dict[DeviceId, str] = {}
         self.services: dict[str, float] = {}
+        self.timeouts = InForce(self.settings, self.store, self.write_soon)
         self.down = False
         self.done: list[str] = []
         """What reached Redis or the socket, in order."""

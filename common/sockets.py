@@ -119,7 +119,11 @@ def bind_router(
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if addr.endswith(":0"):
         addr = addr[:-2] + ":*"
-    sock.bind(addr)
+    try:
+        sock.bind(addr)
+    except BaseException:  # the port is taken: the socket must not outlive the attempt
+        sock.close(0)
+        raise
     endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return sock, endpoint
 

@@ -12,6 +12,7 @@ serving.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import hashlib
 import json
 import os
@@ -386,11 +387,29 @@ class Worker:
             msg.epoch,
             {layer: str(d) for layer, d in msg.sources.items()},
             self.settings.task_timeout_s,
-            lambda: "the worker is stopping" if self.stopping.is_set() else None,
+            functools.partial(self._superseded, msg.epoch),
         )
         own.update((layer, HeldLayer(blob=blob)) for layer, blob in migrated.items())
         timings.update(send_s=t1 - t0, wait_s=time.perf_counter() - t1)
         return own
+
+    def _superseded(self, epoch: int) -> str | None:
+        """Why gathering layers for plan epoch `epoch` is moot, or None.
+
+        The worker stops, or a newer Assign (or a Collect, a Shutdown) waits in
+        the control inbox: a sender that died during this recovery made the
+        coordinator assign again without it, and waiting out the task timeout
+        for its layers would stall the whole job. The pool's abort flag cannot
+        say so: the control thread set it for the very Assign being handled.
+        """
+        if self.stopping.is_set():
+            return "the worker is stopping"
+        with self.control.inbox.mutex:
+            queued = [env.msg for env in self.control.inbox.queue]
+        for m in queued:
+            if isinstance(m, Collect | Shutdown) or (isinstance(m, Assign) and m.epoch > epoch):
+                return f"{m.type} received"
+        return None
 
     def _send_layers(
         self, epoch: int, version: int, sends: Mapping[DeviceId, list[int]], kept: list[int]

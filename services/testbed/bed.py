@@ -328,14 +328,15 @@ class Testbed:
         profiler += ["--keys", str(self.profiler_keys())]
         self.start(dev, f"{dev}.profiler", [*profiler, "--redis-url", self.redis_url], "profiler")
 
-    def start_worker(self, dev: str) -> subprocess.Popen[bytes]:
+    def start_worker(self, dev: str, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         """Start (or, after a crash or an out-of-memory kill, restart) device `dev`'s worker.
 
         The worker is given the budget the planner plans with outright: it then
-        reports it, and it and its profiler name the device alike.
+        reports it, and it and its profiler name the device alike. `extra`: more
+        worker arguments.
         """
         budget = str(cluster_spec(self.spec).device(dev).memory_bytes)
-        worker = [*service_command("worker"), "--device", dev]
+        worker = [*service_command("worker"), "--device", dev, *extra]
         worker += ["--threads", str(self.threads), "--memory-budget", budget]
         self._killed.discard(dev)
         return self.start(dev, f"{dev}.worker", [*worker, "--coordinator", self.coordinator])

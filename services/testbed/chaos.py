@@ -108,7 +108,8 @@ class ChaosTestbed(Testbed):
         if name in self._staged:
             return
         self.link_down(name)
-        self.start_worker(name)
+        # with no route to the coordinator the worker cannot find its own address: given
+        self.start_worker(name, ["--advertise-host", self.address(name)])
         self._staged.add(name)
 
     def staged(self) -> set[str]:
@@ -119,10 +120,12 @@ class ChaosTestbed(Testbed):
         """Connect a spare device: a staged one's link comes up, else its services start."""
         name = self._spare(dev)
         self.spare.discard(name)
-        if name in self._staged:
-            self._staged.discard(name)
+        staged = name in self._staged
+        self._staged.discard(name)
+        if staged:
             self.link_up(name)
-        else:
+        worker = self.procs.get(f"{name}.worker")
+        if not staged or worker is None or worker.poll() is not None:  # not started, or died
             self.start_device(name)
 
     def _spare(self, dev: str) -> str:

@@ -23,6 +23,7 @@ run may share the machine with any of them. Root only.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -128,6 +129,8 @@ class TestbedBackend:
             plan_file.write_text(json.dumps(plan))
             bed.coordinator_args += ["--plan", str(plan_file)]
         self.bed = bed
+        # whatever the caller does on an error, the namespaces, links and cgroups go at exit
+        atexit.register(self.close)
         bed.up(services=True, ready_timeout_s=READY_S)
         self.redis_url = bed.redis_url
         self._stage_ahead()
@@ -140,6 +143,7 @@ class TestbedBackend:
         if self.bed is None:
             return []
         tag = self.bed.tag
+        atexit.unregister(self.close)
         self.bed.down()
         self.bed = None
         if self._keys_env is None:

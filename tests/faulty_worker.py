@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
 import queue
+import signal
 import sys
 import time
 from typing import Any, NamedTuple
@@ -51,6 +53,10 @@ class Fault(enum.Enum):
     """From its `--fault-round`-th assignment (epoch) on, each of its rounds takes
     `SLOW_ROUND_S` longer, as on a device throttled mid-run (a federated home's
     local jobs are one assignment each, so this slows the home from that piece on)."""
+    DIE_SENDING = "die-sending"
+    """The first time an assignment asks it to send layers to a peer (a migration in a
+    recovery or a re-plan), it is SIGKILLed before it sends any: a source that dies while
+    the recovery it serves is under way, its receivers waiting for its layers."""
     STALL_ALLREDUCE = "stall-allreduce"
     """In round `--fault-round`, its stage stops before its all-reduce (logging
     `STALL_EVENT`) until a new assignment or a shutdown, so that a test can kill
@@ -58,6 +64,7 @@ class Fault(enum.Enum):
 
 
 STALL_EVENT = "fault: stalling before the all-reduce"
+DIE_EVENT = "fault: dying instead of sending layers"
 SLOW_S = 0.1
 SLOW_ROUND_S = 0.5
 """How much longer a slow-rounds worker's rounds take."""
@@ -145,6 +152,17 @@ def _slow_dispatcher_class(from_round: int) -> type[Dispatcher]:
     return SlowDispatcher
 
 
+def _dying_worker_class() -> type[worker_main.Worker]:
+    class DyingWorker(worker_main.Worker):
+        def _send_layers(self, epoch: int, version: int, sends: Any, kept: list[int]) -> Any:
+            if any(sends.values()):
+                log.warning(DIE_EVENT, epoch=epoch, sends={str(d): v for d, v in sends.items()})
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super()._send_layers(epoch, version, sends, kept)
+
+    return DyingWorker
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the fault flags, patch the worker's classes, run the worker with the rest."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -155,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     fault = Fault(args.fault)
     if fault is Fault.CUT_DATA:
         worker_main.Dispatcher = _dispatcher_class(args.fault_round)  # type: ignore[misc]
+    elif fault is Fault.DIE_SENDING:
+        worker_main.Worker = _dying_worker_class()  # type: ignore[misc]
     elif fault is Fault.SLOW_DATA:
         worker_main.Dispatcher = _slow_dispatcher_class(args.fault_round)  # type: ignore[misc]
     else:

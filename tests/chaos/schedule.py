@@ -179,10 +179,11 @@ def check(schedule: Schedule, space: int = 2) -> list[str]:
     for event, live in zip(schedule.events, schedule.live_after(), strict=True):
         if live < schedule.need:
             problems.append(f"{event.describe()}: {live} live, the job needs {schedule.need}")
-    for prev, event in itertools.pairwise(schedule.events):
-        if event.kind == "second_kill" and prev.kind not in FAILURES:
+    kinds: list[Kind | None] = [None, *(e.kind for e in schedule.events)]
+    for before, event in zip(kinds, schedule.events, strict=False):
+        if event.kind == "second_kill" and before not in FAILURES:
             problems.append(f"{event.describe()} does not follow a failure")
-        if event.kind in CONTROL_PLANE and prev.kind in FAILURES:
+        if event.kind in CONTROL_PLANE and before in FAILURES:
             problems.append(f"{event.describe()} directly follows a failure")
     restarts = [e.index for e in schedule.events if e.kind in CONTROL_PLANE]
     for a, b in itertools.pairwise(restarts):

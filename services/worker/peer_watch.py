@@ -42,7 +42,10 @@ def neighbours(plan: Plan, device: str) -> frozenset[str]:
     plan of more than one device is someone's neighbour, so each loss has a
     witness on the data plane.
     """
-    p = next(i for i, s in enumerate(plan.stages) if any(a.device == device for a in s.devices))
+    at = [i for i, s in enumerate(plan.stages) if any(a.device == device for a in s.devices)]
+    if not at:  # not a device of the plan: nobody to watch
+        return frozenset()
+    p = at[0]
     out: set[str] = set()
     if p > 0:
         before = routes(plan.ranges(p - 1), plan.ranges(p))

@@ -60,6 +60,7 @@ def test_every_device_of_a_multi_device_plan_has_a_witness() -> None:
     for d in plan.devices:
         assert any(d in neighbours(plan, o) for o in plan.devices if o != d), d
     assert neighbours(_plan(["solo"]), "solo") == frozenset()
+    assert neighbours(plan, "stranger") == frozenset()
 
 
 # --- connections -------------------------------------------------------------------

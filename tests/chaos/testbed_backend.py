@@ -124,6 +124,7 @@ class TestbedBackend:
         )
         # the devices start (import torch under their quota) while the coordinator waits
         bed.coordinator_args = ["--job", str(job_file), "--join-timeout-s", str(READY_S)]
+        bed.coordinator_args.append("--shutdown-workers")  # the job's end ends every device's
         if plan is not None:
             plan_file = self.out / "plan.json"
             plan_file.write_text(json.dumps(plan))

@@ -9,15 +9,15 @@ The shape of Asteroid §5.5 (Figs. 16-17). On the emulated Env D testbed (one
 TX2-like and three Nano-like devices, 100 Mbit/s links, cgroup CPU quotas and
 memory limits, `services.testbed`), a job trains with Asteroid's plan; once
 `--fail-after` rounds are committed, one device is lost in the middle of the
-next round. Each device is dropped in turn, separately: powered off (every
-process of it SIGKILLed, `Testbed.kill`: its connections close at once) with
-lightweight recovery (partition points moved by capacity) and with heavy
-recovery (the full planner on the survivors); then hung (every process of it
-SIGSTOPped: silent, its sockets stay open, as a power cut or a pulled cable
-looks) with lightweight recovery, let go (SIGCONT) once the job recovered,
-when its old-epoch messages must change nothing; then a fresh job runs on the
-survivors alone with the same planner, the throughput a recovered job should
-come close to.
+next round. Each device is dropped in turn, separately: hung (every process
+of it SIGSTOPped: silent, its sockets stay open, as a power cut or a pulled
+cable looks) with lightweight recovery, let go (SIGCONT) once the job
+recovered, when its old-epoch messages must change nothing, and used as it is
+by the next job; then powered off (every process of it SIGKILLed,
+`Testbed.kill`: its connections close at once) with lightweight recovery
+(partition points moved by capacity) and with heavy recovery (the full
+planner on the survivors); then a fresh job runs on the survivors alone with
+the same planner, the throughput a recovered job should come close to.
 
 Reported per run, from the job's events and metrics streams (Redis stream ids
 are commit times): the fault -> first committed round split into its parts
@@ -119,21 +119,41 @@ def drop_device(
 ) -> list[Run]:
     """Lose `dev` with each fault and recovery mode, then train a fresh plan on the survivors.
 
-    The device is powered on again after each (killed first if it was only
-    stopped), except after the `last` device's fresh run (nothing follows it).
+    The SIGSTOP comes first: a device let go that heartbeats again trains in
+    the next job as it is (a hang that came back must be usable again); any
+    other lost device is powered on again (restarted) before the next job,
+    except before the fresh plan and after the `last` device's.
     """
     runs = []
-    plan = [("kill", m) for m in KILL_MODES if "kill" in faults]
-    plan += [("sigstop", "lightweight")] if "sigstop" in faults else []
-    for i, (fault, mode) in enumerate(plan):
-        if i:
+    plan = [("sigstop", "lightweight")] if "sigstop" in faults else []
+    plan += [("kill", m) for m in KILL_MODES if "kill" in faults]
+    up = True
+    for fault, mode in plan:
+        if not up:
             restart(bed, store, dev)
-        runs.append(one_run(bed, store, model, dev, mode, fault, rounds, fail_after))
-        bed.kill(dev)  # a stopped device let go is still up: power it off
+        run = one_run(bed, store, model, dev, mode, fault, rounds, fail_after)
+        runs.append(run)
+        up = fault == "sigstop" and came_back(bed, store, run)
+        if not up:
+            bed.kill(dev)
+    bed.kill(dev)
     runs.append(one_run(bed, store, model, dev, "fresh", "", rounds, 0))
     if not last:
         restart(bed, store, dev)
     return runs
+
+
+def came_back(bed: Testbed, store: Store, run: Run) -> bool:
+    """Whether a device let go after a SIGSTOP runs and heartbeats again (give it a few s)."""
+    proc = bed.procs.get(f"{run.device}.worker")
+    if run.t_cont is None or proc is None or proc.poll() is not None:
+        return False
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        if float(store.get_fields("device", run.device).get("seen", 0.0)) > run.t_cont:
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def _say(run: Run, took: float) -> None:

@@ -35,6 +35,8 @@ __all__ = [
     "CLIENT_REQUESTS",
     "CLOSED_MAX",
     "CONTROL_ROLES",
+    "HELD_PER_PEER",
+    "HELD_S",
     "MAX_ROUTES",
     "NAME",
     "PUMP_MAX_MESSAGES",
@@ -57,6 +59,12 @@ MAX_ROUTES = 4_096
 and clients; a device heartbeats every second, so it is never the least recent."""
 CLOSED_MAX = 4_096
 """Closed connections kept until the loop reads them (the oldest go beyond)."""
+HELD_PER_PEER = 64
+"""Messages kept for a device whose connection is down; the oldest go beyond."""
+HELD_S = 10.0
+"""How long a message kept for a device whose connection is down is still delivered."""
+HELD_PEERS = 1_024
+"""Devices messages are kept for at most; the least recent go beyond."""
 MONITOR_MAX_EVENTS = 1_000
 """Most monitor events one `receive` call reads (the rest wait for the next call)."""
 CONTROL_ROLES = ("worker", "service", "operator")
@@ -132,6 +140,9 @@ class ControlSocket:
             self.ctx, settings.bind, self.limits, keys=keys, roles=CONTROL_ROLES
         )
         self._keys = keys
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a closed connection says so
+        self.held: OrderedDict[str, deque[tuple[float, Message]]] = OrderedDict()
+        """Messages for devices whose connection was down, delivered when they speak again."""
         self._monitor = self._watch()
         self._fds: dict[int, DeviceId] = {}
         """The peer each open connection's descriptor last carried a message of."""
@@ -151,11 +162,36 @@ class ControlSocket:
         """Send a control message to a peer, stamped with the fence.
 
         It goes to the connection `peer` last spoke on; one it never spoke on
-        gets nothing (as ZeroMQ drops a message to an unknown route).
+        gets nothing (as ZeroMQ drops a message to an unknown route). Should
+        that connection be closed (a link that flaps), a device's message is
+        kept (`held`) and delivered once the device speaks again on a new one,
+        so a command sent during a short cut is late, not lost.
         """
         route = self.routes.get(peer)
-        if route is not None:
+        if route is None:
+            return
+        try:
             send_message(self.sock, msg, NAME, route=route, fence=self.fence)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            if "/" not in peer:  # a client's session does not come back: drop it
+                held = self.held.setdefault(peer, deque(maxlen=HELD_PER_PEER))
+                held.append((time.monotonic(), msg))
+                self.held.move_to_end(peer)
+                while len(self.held) > HELD_PEERS:
+                    self.held.popitem(last=False)
+
+    def _deliver_held(self, peer: str) -> None:
+        """Send `peer` what was kept while its connection was down (if still fresh), in order."""
+        now = time.monotonic()
+        fresh = [msg for at, msg in self.held.pop(peer, ()) if now - at <= HELD_S]
+        if fresh:
+            log.info(
+                "delivering messages held while its connection was down", peer=peer, n=len(fresh)
+            )
+        for msg in fresh:
+            self.send(DeviceId(peer), msg)
 
     def remember_route(self, peer: str, route: bytes) -> None:
         """`peer`'s latest connection, newest last; the least recent beyond `MAX_ROUTES` go."""
@@ -192,6 +228,8 @@ class ControlSocket:
                 self._refuse_request(exc)
                 continue
             self.remember_route(peer, env.route)
+            if peer in self.held:
+                self._deliver_held(peer)
             if env.fd >= 0 and "/" not in peer:  # sessions (NAME/SESSION) are never devices
                 self._fds[env.fd] = DeviceId(peer)
                 self._fresh.add(env.fd)
@@ -281,6 +319,7 @@ class ControlSocket:
             )
             self._monitor.close(0)
             self.sock = reset_router(self.sock, self.ctx, self.limits, self._keys, CONTROL_ROLES)
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._monitor, self._fds = self._watch(), {}
 
     def close(self) -> None:

@@ -13,10 +13,10 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from common.codec import encode
+from common.codec import Limits, encode, recv_message
 from common.curve import COORDINATOR, CurveKeys, create_key_set
 from common.ids import DeviceId
-from common.messages import Heartbeat, PeerDown, RoundDone
+from common.messages import Heartbeat, PeerDown, Probe, RoundDone
 from common.ports import free_port
 from common.settings import CoordinatorSettings
 from common.sockets import connect_dealer
@@ -174,3 +174,22 @@ def test_a_report_of_another_epoch_or_about_a_stranger_is_dropped_naming_its_sen
     dropped = [e for e in logs if e["event"] == "dropped a liveness report"]
     assert [(e["peer"], e["about"]) for e in dropped] == [(C, B), (C, "z")], logs
     assert [e["log_level"] for e in dropped] == ["warning", "warning"]
+
+
+def test_a_command_sent_while_the_connection_was_down_is_delivered_when_it_is_back(coord, ctx):
+    first = _dealer(ctx, coord, "b")
+    _joined(coord, "b")
+    first.close(0)
+    _closed(coord)
+    coord.send(B, Probe(nonce=7))  # the route is gone: kept, not dropped
+    assert [m.nonce for _, m in coord.control.held[B]] == [7]
+    again = _dealer(ctx, coord, "b")
+    try:
+        deadline = time.monotonic() + 10
+        while not again.poll(50):
+            assert time.monotonic() < deadline, "the held probe never came"
+            coord.pump(0.05)
+        _, env = recv_message(again, Limits(1 << 20))
+    finally:
+        again.close(0)
+    assert env.msg == Probe(nonce=7) and B not in coord.control.held

@@ -1,0 +1,74 @@
+"""A SIGKILLed worker is found by its closed connection, not by its missed heartbeats.
+
+Real coordinator and worker processes on loopback, real Redis. The kernel
+closes a killed process's connections at once: the coordinator's socket
+monitor sees its control connection close (and its neighbours report theirs),
+so it is a suspect within milliseconds, probed after the flap grace and lost
+once the probe goes unanswered. The recovery's recorded reason must name that
+closed connection and the unanswered probe, and the job must finish
+on the survivors with the single-process result, every sample once per epoch,
+as the recovery tests check it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.store import Store
+from tests.cluster import LocalCluster
+from tests.integration.test_equivalence import stage
+from tests.integration.test_recovery import (
+    BATCH,
+    DATASET,
+    MODEL,
+    ROUNDS,
+    SEED,
+    SGD,
+    _check_run,
+    job_spec,
+)
+from tests.reference import reference_train
+
+pytestmark = pytest.mark.integration
+
+PLAN = {
+    "global_batch": BATCH,
+    "microbatches": 4,
+    "stages": [stage(0, 2, "a"), stage(2, 4, "b"), stage(4, 7, "c", "d")],
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[dict[str, Any], list[float]]:
+    return reference_train(MODEL, SEED, BATCH, ROUNDS, SGD, dataset=DATASET)
+
+
+def _wait_round(store: Store, cluster: LocalCluster, jid: str, done: int) -> None:
+    deadline = time.monotonic() + cluster.budget.left(120)
+    while int(store.get_fields("job", jid).get("round", 0)) < done:
+        assert time.monotonic() < deadline, cluster.log_tail("coordinator")
+        time.sleep(0.02)
+
+
+def test_a_killed_worker_is_lost_by_its_closed_connection_and_recovered_exactly(
+    tmp_path: Path, redis_url, cluster_name, budget, store, reference
+):
+    cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
+    try:
+        for name in ("a", "b", "c", "d"):
+            cluster.spawn(name, ["-m", "services.worker.main", "--device", name])
+            cluster.workers.append(name)
+        cluster.start_coordinator(job_spec("sig", replicate_every=1), PLAN)
+        _wait_round(store, cluster, "sig", 2)
+        cluster.procs["b"].kill()  # mid-job, whatever b was doing
+        _check_run(cluster, store, "sig", ["b"], reference)
+    finally:
+        cluster.close()
+    (recovering,) = [e for e in store.read("events", "sig") if e["event"] == "recovering"]
+    reason = recovering["reason"]
+    assert "b: control connection closed" in reason, reason
+    assert "probe unanswered for" in reason and "missed heartbeats" not in reason, reason

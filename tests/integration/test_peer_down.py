@@ -315,3 +315,36 @@ def test_worker_processes_report_a_neighbour_killed_back_and_stopped(
                 proc.wait(timeout=10)
         coord.sock.close(0)
         ctx.destroy(linger=0)
+
+
+# --- the control link ---------------------------------------------------------------
+
+
+def test_a_worker_heartbeats_as_soon_as_its_coordinator_connection_is_back(
+    ctx: zmq.Context[Any],
+) -> None:
+    """A drop shorter than the coordinator's grace is heard within it, not a tick later.
+
+    The heartbeat interval is ten minutes: a heartbeat after the reconnection
+    can only be the one the reconnection sends.
+    """
+    from services.worker.control import ControlLink
+
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    router, _ = bind_router(ctx, addr, Limits())
+    beat = Heartbeat(device=DeviceId("w"), data_addr="tcp://127.0.0.1:1")
+    link = ControlLink(ctx, addr, "w", Limits(), 600.0, lambda: beat, lambda _: None)
+    link.start()
+    try:
+        assert router.poll(int(WAIT_S * 1000)), "no first heartbeat"
+        router.recv_multipart()
+        _until(lambda: link.connected, "the link to know it is connected")
+        router.close(0)  # the coordinator's socket goes, and comes back on its port
+        _until(lambda: not link.connected, "the link to see the drop")
+        router = _rebind(ctx, addr)
+        assert router.poll(int(WAIT_S * 1000)), "no heartbeat after the reconnection"
+        _, env = recv_message(router, Limits(), routed=True)
+        assert env.msg == beat
+    finally:
+        link.close()
+        router.close(0)

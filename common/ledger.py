@@ -30,15 +30,26 @@ def rollback_entry(to_round: int, lost: list[str]) -> dict[str, Any]:
 def effective_rounds(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The committed rounds that stand, in order: a rollback to v undoes rounds v and later.
 
+    Rollbacks with no round committed between them are one recovery that started
+    again (a second loss while the first was recovered): only the last says which
+    version every stage resumed from, so rounds an earlier one undid stand again
+    when the last resumes from a newer version (a checkpoint newer than the replica
+    the first one chose).
+
     Raises ValueError if a round is committed twice without a rollback between,
     or out of order: either would mean a round was applied twice.
     """
     kept: list[dict[str, Any]] = []
+    undone: list[dict[str, Any]] = []
+    """Rounds undone by the rollbacks since the last commit: a later rollback may keep them."""
     for entry in entries:
         if "rollback_to" in entry:
             to = int(entry["rollback_to"])
-            kept = [e for e in kept if int(e["round"]) < to]
+            history = kept + undone
+            kept = [e for e in history if int(e["round"]) < to]
+            undone = [e for e in history if int(e["round"]) >= to]
             continue
+        undone = []
         want = int(kept[-1]["round"]) + 1 if kept else None
         got = int(entry["round"])
         if want is not None and got != want:

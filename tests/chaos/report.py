@@ -61,8 +61,27 @@ def markdown_table(rows: Sequence[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
+BIN_S = 2.0
+"""Width of the bins committed samples are counted in: a stall shows as zeros."""
+
+
+def committed_rate(result: RunResult, bin_s: float = BIN_S) -> tuple[list[float], list[float]]:
+    """Samples committed per second in bins of `bin_s` since the start (0 while nothing commits)."""
+    batch = int(result.job.get("global_batch") or 0)
+    end = max(result.ended, max((t for t, _ in result.commits), default=result.started))
+    bins = [0.0] * (int((end - result.started) / bin_s) + 1)
+    for t, _ in result.commits:
+        bins[int((t - result.started) / bin_s)] += batch / bin_s
+    return [i * bin_s for i in range(len(bins))], bins
+
+
 def plot(result: RunResult, path: Path) -> None:
-    """Samples/s per committed round over time since the start, events marked."""
+    """Samples/s over time since the start, events marked.
+
+    The line counts committed samples in bins of `BIN_S` (so an outage is a
+    stretch of zeros); the dots are each round's own rate as the coordinator
+    measured it (its compute and communication, without the waits between).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,28 +89,22 @@ def plot(result: RunResult, path: Path) -> None:
 
     t0 = result.started
     fig, ax = plt.subplots(figsize=(11, 4.5))
+    xs, ys = committed_rate(result)
+    ax.step(xs, ys, where="post", lw=1.0, label=f"committed samples/s ({BIN_S:g} s bins)")
     rated = [(t, e) for t, e in result.commits if e.get("samples_per_s") is not None]
-    xs = [t - t0 for t, _ in rated]
-    ys = [float(e["samples_per_s"]) for _, e in rated]
-    ax.plot(xs, ys, ".-", lw=0.8, ms=3, label="samples/s (per committed round)")
-    top = max(ys, default=1.0)
+    rates = [float(e["samples_per_s"]) for _, e in rated]
+    ax.plot([t - t0 for t, _ in rated], rates, ".", ms=2.5, alpha=0.6, label="per-round rate")
+    top = max([*ys, *rates, 1.0])
     for rec in result.records:
         if rec.injected is None:
             continue
         x = rec.injected - t0
         ax.axvline(x, color="tab:red", lw=0.8, alpha=0.7)
-        ax.text(
-            x,
-            top * 1.02,
-            f"{rec.event.index} {rec.event.kind}",
-            rotation=90,
-            fontsize=7,
-            va="bottom",
-            ha="right",
-        )
+        label = f"{rec.event.index} {rec.event.kind}"
+        ax.text(x, top * 1.02, label, rotation=90, fontsize=7, va="bottom", ha="right")
     ax.set_xlabel("seconds since the start")
     ax.set_ylabel("samples/s")
-    ax.set_ylim(0, top * 1.45 if ys else 1)
+    ax.set_ylim(0, top * 1.6)
     ax.set_title(f"chaos run, seed {result.schedule.seed}: {len(result.records)} events")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()

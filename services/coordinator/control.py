@@ -61,8 +61,10 @@ CLOSED_MAX = 4_096
 """Closed connections kept until the loop reads them (the oldest go beyond)."""
 HELD_PER_PEER = 64
 """Messages kept for a device whose connection is down; the oldest go beyond."""
-HELD_S = 10.0
-"""How long a message kept for a device whose connection is down is still delivered."""
+HELD_S = 3.0
+"""How long a device's connection may stay down for what was kept for it to be delivered
+(the loop sets `hold_s` to the flap grace plus the probe timeout in force: a device down
+longer has been declared lost, and an old epoch's commands would only confuse it)."""
 HELD_PEERS = 1_024
 """Devices messages are kept for at most; the least recent go beyond."""
 MONITOR_MAX_EVENTS = 1_000
@@ -143,6 +145,10 @@ class ControlSocket:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a closed connection says so
         self.held: OrderedDict[str, deque[tuple[float, Message]]] = OrderedDict()
         """Messages for devices whose connection was down, delivered when they speak again."""
+        self.hold_s = HELD_S
+        """How long a connection may stay down for what was kept to be delivered."""
+        self._down: OrderedDict[str, float] = OrderedDict()
+        """When each device's connection was seen to close (until it speaks again)."""
         self._monitor = self._watch()
         self._fds: dict[int, DeviceId] = {}
         """The peer each open connection's descriptor last carried a message of."""
@@ -183,9 +189,22 @@ class ControlSocket:
                     self.held.popitem(last=False)
 
     def _deliver_held(self, peer: str) -> None:
-        """Send `peer` what was kept while its connection was down (if still fresh), in order."""
+        """Send `peer` what was kept while its connection was down, in order.
+
+        Nothing if the connection was down longer than `hold_s`: the device
+        was declared lost meanwhile, and its commands are an old epoch's.
+        """
         now = time.monotonic()
-        fresh = [msg for at, msg in self.held.pop(peer, ()) if now - at <= HELD_S]
+        down = now - self._down.pop(peer, now)
+        held = self.held.pop(peer, ())
+        fresh = [msg for at, msg in held if down <= self.hold_s and now - at <= self.hold_s]
+        if len(fresh) < len(held):
+            log.info(
+                "dropped messages held while its connection was down",
+                peer=peer,
+                n=len(held) - len(fresh),
+                down_s=round(down, 3),
+            )
         if fresh:
             log.info(
                 "delivering messages held while its connection was down", peer=peer, n=len(fresh)
@@ -228,7 +247,7 @@ class ControlSocket:
                 self._refuse_request(exc)
                 continue
             self.remember_route(peer, env.route)
-            if peer in self.held:
+            if peer in self.held or peer in self._down:
                 self._deliver_held(peer)
             if env.fd >= 0 and "/" not in peer:  # sessions (NAME/SESSION) are never devices
                 self._fds[env.fd] = DeviceId(peer)
@@ -273,6 +292,10 @@ class ControlSocket:
                     self._fds.pop(fd, None)
             elif (peer := self._fds.pop(fd, None)) is not None:
                 self.closed.append((peer, now))
+                self._down[peer] = now
+                self._down.move_to_end(peer)
+                while len(self._down) > HELD_PEERS:
+                    self._down.popitem(last=False)
 
     def _admitted(self, peer: str, user: str, msg: Message) -> bool:
         """Whether `peer` may send `msg`: it names no other device, its key's role allows it."""

@@ -174,7 +174,8 @@ class Waits:
         self.pump(poll_s)
         now, state = time.monotonic(), self.cluster.state
         self.timeouts.beats(state.members, state.assigned)
-        self.timeouts.refresh(state.running, now)
+        eff = self.timeouts.refresh(state.running, now)
+        self.control.hold_s = eff.flap_grace_s + eff.probe_timeout_s
         yield Beats(state.members)
         while self.control.closed:
             peer, at = self.control.closed.popleft()

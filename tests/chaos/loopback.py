@@ -82,14 +82,13 @@ class LoopbackBackend:
         local.env.update({"ASTEROID_REPEATS": "1", "ASTEROID_WARMUP": "0"})  # quick profiles
         local.env.update(self._env)
         self._local, self._job, self._plan = local, job, plan
-        local.start_workers(self.spares)
-        for name in self.spares:
-            self._until_logged(name, "worker started")
-            self.stop(name)
+        local.start_workers([*self.spares, *devices])
         if plan is None:  # the planner plans the job, and takes joining devices in
             local.spawn("profiler", ["-m", "services.profiler.main", "--serve"])
             local.spawn("planner", ["-m", "services.planner.service"])
-        local.start_workers(devices)
+        for name in self.spares:  # up, and stopped before any coordinator listens
+            self._until_logged(name, "worker started")
+            self.stop(name)
         self._coordinator = "coordinator"
         local.start_coordinator(job, plan, name=self._coordinator)
         self._coordinators = 1

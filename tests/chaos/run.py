@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,12 @@ JOB_ID = "chaos"
 LEFTOVER_WAIT_S = 30.0
 
 
-def job_for(schedule: Schedule, devices: int, jid: str = JOB_ID) -> dict[str, Any]:
+def job_for(
+    schedule: Schedule, devices: int, per_event: int = 10, jid: str = JOB_ID
+) -> dict[str, Any]:
     """The run's job: long enough for every event, a whole number of epochs."""
-    rounds = ROUNDS_PER_EPOCH * math.ceil(schedule.rounds_needed() / ROUNDS_PER_EPOCH)
+    needed = schedule.rounds_needed(per_event)
+    rounds = ROUNDS_PER_EPOCH * math.ceil(needed / ROUNDS_PER_EPOCH)
     return {
         "job_id": jid,
         "model": MODEL,
@@ -68,7 +72,7 @@ def job_for(schedule: Schedule, devices: int, jid: str = JOB_ID) -> dict[str, An
         "global_batch": BATCH,
         "micro_batch": MICRO,
         "optimizer": OPTIMIZER,
-        "dataset": {"kind": "synthetic", "train_size": EPOCH_SAMPLES},
+        "dataset": {"kind": "synthetic", "train_size": EPOCH_SAMPLES, "eval_size": BATCH},
         "checkpoint_every": 2,
         "replicate_every": 1,
         "min_workers": devices,
@@ -112,6 +116,7 @@ def chaos_run(
     deadline: float,
     rule: GrowthRule | None = None,
     timeouts: tuple[float, float] = (START_TIMEOUT_S, SETTLE_TIMEOUT_S),
+    per_event: int = 10,
     log: Callable[[str], None] = print,
 ) -> Outcome:
     """Draw the schedule, run it, check the invariants, write the report.
@@ -119,13 +124,21 @@ def chaos_run(
     `make_backend(spares)` makes the backend, with `spares` devices ready to
     join (named `j1`, `j2`, ... as the schedule names joiners). `timeouts`: the
     runner's waits for the first commit and for the job to be back from an event.
+    `per_event`: rounds the job gets per event beyond its gap (`Schedule.rounds_needed`).
+    The single-process reference trains on a thread meanwhile (torch computes
+    outside the GIL), so the run's end does not wait for it.
     """
     wanted = [k for k in (kinds or KINDS) if k in make_backend(0).supports]
     schedule = draw(seed, events, wanted, initial_devices=len(devices), need=need)
     joins = sum(1 for e in schedule.events if e.kind == "join")
     backend = make_backend(joins)
-    job = job_for(schedule, len(devices))
+    job = job_for(schedule, len(devices), per_event)
     rounds = int(job["rounds"])
+    pool = ThreadPoolExecutor(1, thread_name_prefix="chaos-reference")
+    reference = pool.submit(
+        reference_train, MODEL, SEED, BATCH, rounds, OPTIMIZER, dataset=job["dataset"]
+    )
+    pool.shutdown(wait=False)
     log(f"schedule (seed {seed}): {[e.kind for e in schedule.events]}; {rounds} rounds")
     start_s, settle_s = timeouts
     runner = Runner(
@@ -154,7 +167,7 @@ def chaos_run(
     finally:
         store.close()
         result.problems += backend.close()
-    ref, _ = reference_train(MODEL, SEED, BATCH, rounds, OPTIMIZER, dataset=job["dataset"])
+    ref, _ = reference.result(timeout=max(60.0, deadline - time.time()))
     checks = [
         invariants.finished(result.exit_code, state),
         invariants.ledger(ledger, rounds, EPOCH_SAMPLES),
@@ -198,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
     parser.add_argument("--kinds", nargs="*", choices=list(KINDS), help="event kinds to draw")
+    parser.add_argument("--per-event", type=int, default=10, help="job rounds per event")
     args = parser.parse_args(argv)
     testbed = args.backend == "testbed"
     if testbed and os.geteuid() != 0:
@@ -215,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         deadline=time.time() + args.timeout,
         # devices with a CPU quota on a loaded machine profile, plan and import slowly
         timeouts=(400.0, 180.0) if testbed else (START_TIMEOUT_S, SETTLE_TIMEOUT_S),
+        per_event=args.per_event,
     )
     print(outcome.report.read_text())
     if not outcome.ok:

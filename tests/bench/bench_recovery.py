@@ -75,8 +75,9 @@ KILL_MODES = ("lightweight", "heavy")
 """Recovery modes a SIGKILL is measured with; a SIGSTOP is measured with lightweight."""
 SUBNET = "10.78.0.0/24"
 """Not bench-edge's default subnet, so both benches may run on one machine."""
-REJOIN_TIMEOUT_S = 300.0
-"""A restarted worker imports torch under a Nano-like quota of a fifth of a core."""
+REJOIN_TIMEOUT_S = 600.0
+"""A restarted worker imports torch under a Nano-like quota of a fifth of a core (and, on a
+loaded machine, less: other processes take the rest)."""
 
 
 def one_run(
@@ -188,7 +189,7 @@ def restart(bed: Testbed, store: Store, dev: str) -> None:
     raise TimeoutError(f"{dev}'s restarted worker did not heartbeat within {REJOIN_TIMEOUT_S} s")
 
 
-def keyed_services(bed: Testbed) -> None:
+def keyed_services(bed: Testbed, ready_timeout_s: float = 300.0) -> None:
     """Start the testbed's services and submit jobs as the operator of its key set.
 
     The coordinator binds the bridge, beyond loopback, so the testbed makes a
@@ -196,7 +197,7 @@ def keyed_services(bed: Testbed) -> None:
     """
     bed.start_services()
     os.environ["ASTEROID_KEYS"] = str(bed.keys)
-    bed.wait_ready()
+    bed.wait_ready(ready_timeout_s)
 
 
 def start_profiler(bed: Testbed, dev: str) -> None:
@@ -318,7 +319,7 @@ def run_all(
     shutil.rmtree(logs, ignore_errors=True)  # joins are read from the logs: no old lines
     with Testbed(spec, logs, stop=stop) as bed:
         bed.up(services=False)
-        keyed_services(bed)
+        keyed_services(bed, REJOIN_TIMEOUT_S)
         print(f"testbed up [{time.monotonic() - t0:.0f} s]", flush=True)
         store = Store(bed.redis_url, bed.cluster)
         try:

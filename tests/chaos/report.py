@@ -10,6 +10,7 @@ RSS / fd / thread sample).
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -131,11 +132,18 @@ def write(result: RunResult, checks: Sequence[Check], out: Path, backend: str) -
     sched = "\n".join(f"- {e.describe()}" for e in result.schedule.events)
     verdict = "\n".join(f"- [{'x' if c.ok else ' '}] {c.name}: {c.detail}" for c in checks)
     problems = "\n".join(f"- {p}" for p in result.problems) or "- none"
+    loads = [load for _, load in result.loads]
+    machine = (
+        f"1-minute load average {loads[0]:.1f} at the start, {loads[-1]:.1f} at the end "
+        f"(max {max(loads):.1f}) on {os.cpu_count()} cores"
+        if loads
+        else f"{os.cpu_count()} cores, load not sampled"
+    )
     text = f"""# Chaos run, seed {result.schedule.seed} ({backend})
 
 {len(result.records)} events in {result.ended - result.started:.0f} s; job {result.job["job_id"]}:
 {result.job.get("rounds")} rounds of {result.job.get("global_batch")} samples, optimizer
-{result.job.get("optimizer")}.
+{result.job.get("optimizer")}. Machine: {machine}.
 
 ## Schedule
 

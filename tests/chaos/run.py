@@ -152,7 +152,11 @@ def chaos_run(
         settle_timeout_s=settle_s,
         log=log,
     )
-    result = runner.run()
+    try:
+        result = runner.run()
+    except BaseException:
+        backend.close()  # a testbed leaves namespaces and cgroups behind otherwise
+        raise
     joined = {e.new_device for e in schedule.events if e.kind == "join"}
     left = _leftovers(backend, set(devices) | joined, min(LEFTOVER_WAIT_S, runner.left(60)))
     store = Store(backend.redis_url, backend.cluster)

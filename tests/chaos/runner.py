@@ -75,8 +75,10 @@ class RunResult:
     started: float
     ended: float
     warm: float
-    """When warm-up ended (the first event's injection): the growth check's baseline."""
+    """When warm-up ended (the first commit): the growth check's baseline."""
     problems: list[str] = field(default_factory=list)
+    loads: list[tuple[float, float]] = field(default_factory=list)
+    """(time, 1-minute load average) samples of the machine."""
 
 
 def _stamp(entry_id: str) -> float:
@@ -214,6 +216,7 @@ class Runner:
             time.time(),
             warm,
             problems,
+            list(self.sampler.loads),
         )
 
     def _running(self) -> bool:
@@ -265,15 +268,24 @@ class Runner:
         return sorted({d for st in self.watch.plan_devices() for d in st} - self.gone)
 
     def _inject(self, event: Event) -> EventRecord:
+        """Inject `event`; a backend that fails to is recorded (the run goes on), not raised."""
         rec = EventRecord(event)
+        try:
+            self._do(event, rec)
+        except Exception as exc:
+            rec.note = f"injection failed: {type(exc).__name__}: {exc}"
+            self.log(f"event #{event.index}: {rec.note}")
+        rec.injection_done = time.time()
+        return rec
+
+    def _do(self, event: Event, rec: EventRecord) -> None:
         live = self._live()
         b = self.backend
         rec.injected = time.time()
         kind = event.kind
         if kind in ("kill", "second_kill", "stop_cont", "cut_restore", "drain"):
             if not live:
-                rec.note = "no live device in the plan"
-                return rec
+                raise RuntimeError("no live device in the plan")
             target = live[event.pick % len(live)]
             rec.targets = [target]
             if kind in ("kill", "second_kill"):
@@ -305,8 +317,6 @@ class Runner:
             b.kill_redis()
             time.sleep(REDIS_DOWN_S)
             b.start_redis()
-        rec.injection_done = time.time()
-        return rec
 
     def _second(self, first: EventRecord, event: Event) -> EventRecord:
         """Inject `event` once `first` is seen recovering (before it recovered, if in time)."""

@@ -52,6 +52,8 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-sampler", daemon=True)
         self.samples: list[Sample] = []
+        self.loads: list[tuple[float, float]] = []
+        """The machine's 1-minute load average over time: other work shares the machine."""
         self.errors: list[str] = []
 
     def start(self) -> None:
@@ -65,6 +67,7 @@ class Sampler:
 
     def sample_once(self) -> None:
         now = time.time()
+        self.loads.append((now, os.getloadavg()[0]))
         for name, pid in sorted(self._pids().items()):
             got = read_process(name, pid, now)
             if got is not None:

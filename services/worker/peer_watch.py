@@ -103,6 +103,10 @@ class LinkWatch:
         self.epoch = epoch
         self.links = kept
 
+    def forget(self, peer: str) -> None:
+        """The connection to `peer` was replaced (a new address): its state is unknown again."""
+        self.links.pop(peer, None)
+
     def connected(self, peer: str) -> None:
         """The connection to `peer` is up (its handshake succeeded)."""
         if peer in self.watched:

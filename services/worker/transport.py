@@ -235,7 +235,7 @@ class Dispatcher(threading.Thread):
         for name in list(self._socks):
             if peers.get(name) != self.peers.get(name):
                 self._close(name)
-                self.links.links.pop(name, None)  # a new address: a new connection
+                self.links.forget(name)
         self.peers = peers
         if self.report is None:
             return

@@ -97,10 +97,12 @@ def one_run(
     job = job_for(model, jid, rounds, workers, "none" if fresh else mode)
     run = Run(device=dev, mode=mode, job_id=jid, fault=fault, t_submit=time.time())
     t0 = time.monotonic()
-    run.state, run.note, run.t_kill, run.t_cont = run_job(
+    run.state, run.note, run.t_kill, run.t_cont, run.stages_before = run_job(
         bed, store, job, None if fresh else dev, fail_after, fault
     )
     measure(store, run, 2, bed.heartbeat_s)
+    if run.t_kill is not None and dev not in run.stages_before:
+        run.note = f"{dev} was not in the plan at the fault ({run.stages_before}): {run.note}"
     run.ledger = ledger_verdict(store, jid, rounds) if run.state == "finished" else ""
     run.after_cont = after_cont(store, run, bed.log_dir / "coordinator.log")
     worker_side(bed.log_dir, run)

@@ -90,31 +90,35 @@ def _recovered_and_committed(store: Store, jid: str, after: float) -> bool:
 
 def run_job(
     bed: Testbed, store: Store, job: JobSpec, victim: str | None, fail_after: int, fault: str
-) -> tuple[str, str, float | None, float | None]:
+) -> tuple[str, str, float | None, float | None, str]:
     """Submit `job`; with `victim`, lose it mid-round once `fail_after` rounds are committed.
 
     `fault` "kill" SIGKILLs every process of the victim; "sigstop" stops them
     and lets them go (SIGCONT) once the job recovered and committed a round,
     or when the job ends, whichever comes first. Returns the end state, the
-    error (if any), the wall time of the fault and that of the SIGCONT.
+    error (if any), the wall time of the fault and that of the SIGCONT, and
+    the plan's stages at the fault (the planner may leave a device out).
     """
     reply = ask_coordinator(bed.coordinator, SubmitJob(job=job, replace=True), timeout_s=60)
     if not reply.ok:
-        return "failed", reply.error, None, None
+        return "failed", reply.error, None, None, ""
     deadline = time.monotonic() + JOB_TIMEOUT_S
     t_kill = t_cont = None
     stopped: list[int] = []
+    stages = ""
     try:
         while time.monotonic() < deadline:
             fields = store.get_fields("job", job.job_id)
             state = str(fields.get("state", "?"))
             if state in TERMINAL:
                 error = "" if state == "finished" else str(fields.get("error", ""))
-                return state, error, t_kill, t_cont
+                return state, error, t_kill, t_cont, stages
             if victim is not None and t_kill is None and int(fields.get("round", 0)) >= fail_after:
                 rounds = [m for _, m in _stream(store, "metrics", job.job_id) if "round_s" in m]
                 # into the round in flight, not at its boundary
                 time.sleep(0.3 * float(rounds[-1]["round_s"]) if rounds else 0.0)
+                plan = store.get_json("plan", job.job_id)
+                stages = _stages(plan["stages"]) if plan else ""
                 t_kill = time.time()
                 if fault == "sigstop":
                     stopped = stop_device(bed, victim)
@@ -127,7 +131,7 @@ def run_job(
                 stopped = []
                 print(f"  sigcont {victim} after {t_cont - (t_kill or t_cont):.1f} s", flush=True)
             time.sleep(0.05)
-        return "timeout", f"not finished within {JOB_TIMEOUT_S:.0f} s", t_kill, t_cont
+        return "timeout", f"not finished within {JOB_TIMEOUT_S:.0f} s", t_kill, t_cont, stages
     finally:
         cont_pids(stopped)  # never leave a device stopped behind
 

@@ -249,7 +249,9 @@ class Runner:
                 records.append(self._second(rec, following))
             for pending in records[-2:] if following and following.kind == "second_kill" else [rec]:
                 self._settle(pending)
-                self.log(f"event #{pending.event.index}: back after {pending.recovery_s}")
+                took = pending.recovery_s
+                back_in = "not back" if took is None else f"back after {took:.2f} s"
+                self.log(f"event #{pending.event.index}: {back_in}")
                 if pending.first_commit is None:
                     problems.append(
                         f"event #{pending.event.index} ({pending.event.kind}): "

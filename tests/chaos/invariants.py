@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -112,11 +113,23 @@ class GrowthRule:
     min_life_s: float = 30.0
 
 
-def growth(samples: Sequence[Sample], warm: float, rule: GrowthRule | None = None) -> Check:
+def growth(
+    samples: Sequence[Sample],
+    warm: float,
+    rule: GrowthRule | None = None,
+    until: float = math.inf,
+) -> Check:
+    """Each process's level at the end against its level after warm-up (`GrowthRule`).
+
+    `warm`: when the job committed its first round; `until`: its last commit.
+    Samples after it are left out: a process shutting down closes its files
+    and threads, which would hide a leak behind its exit.
+    """
     rule = rule or GrowthRule()
     by_name: dict[str, list[Sample]] = defaultdict(list)
     for s in samples:
-        by_name[s.name].append(s)
+        if s.t <= until:
+            by_name[s.name].append(s)
     grew, judged = [], []
     for name, seq in sorted(by_name.items()):
         seq.sort(key=lambda s: s.t)

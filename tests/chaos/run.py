@@ -172,11 +172,12 @@ def chaos_run(
         store.close()
         result.problems += backend.close()
     ref, _ = reference.result(timeout=max(60.0, deadline - time.time()))
+    last_commit = max((t for t, _ in result.commits), default=result.ended)
     checks = [
         invariants.finished(result.exit_code, state),
         invariants.ledger(ledger, rounds, EPOCH_SAMPLES),
         invariants.weights(final, ref),
-        invariants.growth(result.samples, result.warm, rule),
+        invariants.growth(result.samples, result.warm, rule, until=last_commit),
         Check(
             "every device process exited at the end",
             not left,

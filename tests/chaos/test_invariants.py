@@ -96,6 +96,14 @@ def test_noise_within_the_rule_passes_and_a_short_lived_process_is_not_judged() 
     assert not invariants.growth(short, 0.0, RULE).ok  # nothing judged is no evidence
 
 
+def test_samples_after_the_job_ended_are_left_out() -> None:
+    """A leaking process that then exits closes its files: the leak must still show."""
+    leaking = _samples("worker", [300_000] * 30, [40 + i for i in range(25)] + [3] * 5)
+    assert invariants.growth(leaking, 0.0, RULE).ok  # the exit hides it...
+    check = invariants.growth(leaking, 0.0, RULE, until=24.0)
+    assert not check.ok and "worker fds" in check.detail  # ...unless cut at the job's end
+
+
 def test_this_process_can_be_sampled() -> None:
     import os
 

@@ -73,7 +73,7 @@ def _samples(name: str, rss: list[int], fds: list[int], period: float = 1.0) -> 
     ]
 
 
-RULE = GrowthRule(warmup_s=5, window=3, min_life_s=10)
+RULE = GrowthRule(warmup_s=5, window=3, min_life_s=10, fds_abs=8)
 
 
 def test_a_flat_process_passes_and_a_leak_is_caught() -> None:

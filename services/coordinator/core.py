@@ -301,7 +301,7 @@ def apply(wait: Wait, event: Event, now: float) -> tuple[Wait, list[Command]]:
         suspects, commands = signalled(
             wait.suspects, wait.members, event, among, wait.epoch, wait.flap_grace_s, now
         )
-        return replace(wait, suspects=suspects), commands
+        return replace(wait, suspects=suspects), [*commands]
     return _on_tick(wait, now)
 
 
@@ -313,7 +313,7 @@ def signalled(
     epoch: int,
     flap_grace_s: float,
     now: float,
-) -> tuple[Suspects, list[Command]]:
+) -> tuple[Suspects, list[Log]]:
     """Suspects after `event`, and what to log: the rule for a wait and between waits alike.
 
     A closed connection makes a suspect probed after the grace, a neighbour's

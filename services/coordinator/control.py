@@ -207,7 +207,9 @@ class ControlSocket:
             )
         if fresh:
             log.info(
-                "delivering messages held while its connection was down", peer=peer, n=len(fresh)
+                "delivering messages held while its connection was down",
+                peer=peer,
+                types=[m.type for m in fresh],
             )
         for msg in fresh:
             self.send(DeviceId(peer), msg)

@@ -116,17 +116,39 @@ class GrowthRule:
     min_life_s: float = 30.0
 
 
+def _work_start(
+    name: str, first: float, last: float, work_starts: Mapping[str, Sequence[float]]
+) -> float:
+    """The first work start of process `name` within its life [first, last], else -inf."""
+    base = name.partition("@")[0]
+    starts = [
+        t
+        for key, ts in work_starts.items()
+        if base == key or base.startswith((f"{key}.", f"{key}-"))
+        for t in ts
+        if first <= t <= last
+    ]
+    return min(starts, default=-math.inf)
+
+
 def growth(
     samples: Sequence[Sample],
     warm: float,
     rule: GrowthRule | None = None,
     until: float = math.inf,
+    work_starts: Mapping[str, Sequence[float]] | None = None,
 ) -> Check:
     """Each process's level at the end against its level after warm-up (`GrowthRule`).
 
     `warm`: when the job committed its first round; `until`: its last commit.
     Samples after it are left out: a process shutting down closes its files
-    and threads, which would hide a leak behind its exit.
+    and threads, which would hide a leak behind its exit. `work_starts`: when
+    a process that came later went to work (a joined device's first committed
+    round with it, a restarted coordinator's first), keyed by its name before
+    "@" or a prefix of it ending at "." or "-" ("j1" is "j1.worker@7" and
+    "j1-2"): its level is taken from then, not from its first samples, which
+    show it starting (a coordinator's 3 files) or idle until its join (a
+    worker with no stage: 1 thread, 3 files), and would flag its work as growth.
     """
     rule = rule or GrowthRule()
     by_name: dict[str, list[Sample]] = defaultdict(list)
@@ -136,7 +158,8 @@ def growth(
     grew, judged = [], []
     for name, seq in sorted(by_name.items()):
         seq.sort(key=lambda s: s.t)
-        start = max(warm, seq[0].t + rule.warmup_s)
+        began = _work_start(name, seq[0].t, seq[-1].t, work_starts or {})
+        start = max(warm, seq[0].t + rule.warmup_s, began)
         after = [s for s in seq if s.t >= start]
         if len(after) < 2 * rule.window or after[-1].t - seq[0].t < rule.min_life_s:
             continue

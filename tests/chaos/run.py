@@ -105,6 +105,24 @@ def _leftovers(backend: Backend, devices: set[str], timeout_s: float) -> list[st
         time.sleep(0.2)
 
 
+def work_starts(result: RunResult) -> dict[str, list[float]]:
+    """When processes that came during the run went to work: the growth check's baselines.
+
+    A joined device's processes from the first round committed with it; a
+    restarted coordinator from its first committed round (`invariants.growth`).
+    """
+    out: dict[str, list[float]] = {}
+    for rec in result.records:
+        if rec.first_commit is None:
+            continue
+        if rec.event.kind == "join":
+            for device in rec.targets:
+                out.setdefault(device, []).append(rec.first_commit)
+        elif rec.event.kind == "coordinator_restart":
+            out.setdefault("coordinator", []).append(rec.first_commit)
+    return out
+
+
 def chaos_run(
     make_backend: Callable[[int], Backend],
     seed: int,
@@ -177,7 +195,9 @@ def chaos_run(
         invariants.finished(result.exit_code, state),
         invariants.ledger(ledger, rounds, EPOCH_SAMPLES),
         invariants.weights(final, ref),
-        invariants.growth(result.samples, result.warm, rule, until=last_commit),
+        invariants.growth(
+            result.samples, result.warm, rule, until=last_commit, work_starts=work_starts(result)
+        ),
         Check(
             "every device process exited at the end",
             not left,

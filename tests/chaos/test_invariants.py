@@ -110,3 +110,19 @@ def test_this_process_can_be_sampled() -> None:
     got = read_process("me", os.getpid())
     assert got is not None and got.rss_kib > 0 and got.fds > 0 and got.threads >= 1
     assert read_process("none", 2**22 + 1) is None
+
+
+def test_a_process_that_came_later_is_judged_from_when_it_went_to_work() -> None:
+    # a spare worker idle for 20 s (3 files, little memory), then a stage from t=20 on:
+    # its start is not growth, but a leak after it still is
+    idle = [Sample(float(t), "j1.worker@7", 7, 100_000, 3, 1) for t in range(20)]
+    busy = [Sample(float(t), "j1.worker@7", 7, 400_000, 50, 13) for t in range(20, 50)]
+    assert not invariants.growth([*idle, *busy], 0.0, RULE).ok  # its first samples as baseline
+    check = invariants.growth([*idle, *busy], 0.0, RULE, work_starts={"j1": [20.0]})
+    assert check.ok, check.detail
+    leaking = [Sample(float(t), "j1.worker@7", 7, 400_000, 30 + t, 13) for t in range(20, 50)]
+    assert not invariants.growth([*idle, *leaking], 0.0, RULE, work_starts={"j1": [20.0]}).ok
+    # a start outside the process's life (the coordinator it replaced) is not its own
+    flat = _samples("coordinator@3", [300_000] * 30, [30] * 30)
+    assert invariants.growth(flat, 0.0, RULE, work_starts={"coordinator": [100.0]}).ok
+    assert invariants.growth(flat, 0.0, RULE, work_starts={"j10": [5.0]}).ok  # j1 is not j10

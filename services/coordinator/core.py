@@ -33,6 +33,7 @@ from services.coordinator.detection import (
     due,
     live,
     lost_reason,
+    not_back,
     refusal,
     suspect,
 )
@@ -390,7 +391,9 @@ def _on_tick(wait: Wait, now: float) -> tuple[Wait, list[Command]]:
     """Probe new suspects; then the dead, the hung and the deadline, in that order.
 
     A suspect is a device whose heartbeats are overdue or whose signals'
-    grace is over with nothing heard from it since (`detection.due`). Devices
+    grace is over with nothing heard from it since (`detection.due`); one whose
+    control connection closed and did not come back within the grace is lost
+    at once (`detection.not_back`): a probe could not even reach it. Devices
     that fail at the same check fail together: one `Lost` names them all, so
     the job recovers once without all of them rather than once per device. The
     dead are reported before the hung (a device found hung in the same tick is
@@ -406,21 +409,21 @@ def _on_tick(wait: Wait, now: float) -> tuple[Wait, list[Command]]:
         wait.heartbeat_deadline_s,
         wait.probe_timeout_s,
     )
-    if found.dead:
-        probes = {d: p for d, p in found.probes.items() if d not in found.dead}
+    gone = not_back(suspects, wait.members, now, among, wait.flap_grace_s)
+    if dead := sorted({*found.dead, *gone}):
+        probes = {d: p for d, p in found.probes.items() if d not in dead}
         reason = lost_reason(
-            found.dead,
+            dead,
             wait.members,
             found.probes,
             suspects,
             now,
             wait.probe_timeout_s,
             wait.waited_for,
+            wait.flap_grace_s,
         )
-        suspects = clear(suspects, found.dead)
-        return replace(wait, probes=probes, suspects=suspects, done=True), [
-            Lost(found.dead, reason)
-        ]
+        suspects = clear(suspects, dead)
+        return replace(wait, probes=probes, suspects=suspects, done=True), [Lost(dead, reason)]
     probes, nonce = found.probes, wait.next_nonce
     commands: list[Command] = []
     signalled_ = [d for d in due(suspects, wait.members, now, among) if d not in probes]

@@ -7,11 +7,15 @@ coordinator's own control socket (its monitor) and the device's neighbours (a
 data from the device is overdue says so too. None of these is trusted alone: a
 connection that comes back within the flap grace (a flaky Wi-Fi link) is no
 loss, and a neighbour's wait may only mean the device is slow. So a signal makes
-the device a *suspect*: anything heard from it after the signal (a heartbeat, a
-probe's answer, a neighbour's "reconnected") clears it; otherwise it is probed
-(a closed connection once its grace is over, a silent one at once), and only an
-unanswered probe makes it lost (`core._on_tick`). The reason then names every
-signal, so a person reading the recovery sees what was known and when.
+the device a *suspect*: anything heard from it after the signal (a heartbeat —
+a worker heartbeats at once when it reconnects —, a probe's answer, a
+neighbour's "reconnected") clears it. A device whose own control connection
+closed and is not back when the grace is over is lost (`not_back`): no probe
+could reach it, and waiting out a probe timeout would only delay the recovery.
+Any other suspect (a neighbour's word only, or overdue data) is probed, at once
+or after the grace, and only an unanswered probe makes it lost
+(`core._on_tick`). The reason names every signal, so a person reading the
+recovery sees what was known and when.
 
 Memory is bounded: only devices of the wait (the running plan) are kept, each
 with at most `MAX_SIGNALS` signals.
@@ -37,6 +41,7 @@ __all__ = [
     "due",
     "live",
     "lost_reason",
+    "not_back",
     "refusal",
     "suspect",
 ]
@@ -122,17 +127,23 @@ def suspect(
 
     A suspicion already cleared (the device was heard from since) starts
     afresh; a standing one keeps its start and takes the earlier probe time.
+    A reporter's new signal of a kind replaces its earlier one; beyond
+    `MAX_SIGNALS` the oldest neighbours' go, never the coordinator's own (it
+    alone says the control connection is gone, `not_back`).
     """
     old = live(suspects, members).get(device)
     if old is None:
-        new = Suspicion(signal.at, probe_at, (signal,))
-    else:
-        new = replace(
-            old,
-            since=min(old.since, signal.at),
-            probe_at=min(old.probe_at, probe_at),
-            signals=(*old.signals, signal)[-MAX_SIGNALS:],
-        )
+        return {**suspects, device: Suspicion(signal.at, probe_at, (signal,))}
+    kept = [s for s in old.signals if (s.reporter, s.how) != (signal.reporter, signal.how)]
+    kept.append(signal)
+    while len(kept) > MAX_SIGNALS:
+        kept.remove(next(s for s in kept if s.reporter != COORDINATOR))
+    new = replace(
+        old,
+        since=min(old.since, signal.at),
+        probe_at=min(old.probe_at, probe_at),
+        signals=tuple(kept),
+    )
     return {**suspects, device: new}
 
 
@@ -148,6 +159,30 @@ def due(
     return sorted(d for d, s in live(suspects, members).items() if d in among and now >= s.probe_at)
 
 
+def not_back(
+    suspects: Suspects,
+    members: Members,
+    now: float,
+    among: Collection[DeviceId],
+    flap_grace_s: float,
+) -> list[DeviceId]:
+    """Suspects of `among` whose control connection closed and is not back after the grace.
+
+    The coordinator's own socket saw the connection close at least
+    `flap_grace_s` ago and nothing was heard from the device since (a
+    reconnecting worker heartbeats at once): a probe would find no connection.
+    """
+    return sorted(
+        d
+        for d, v in live(suspects, members).items()
+        if d in among
+        and any(
+            s.reporter == COORDINATOR and s.how == "disconnected" and now >= s.at + flap_grace_s
+            for s in v.signals
+        )
+    )
+
+
 def describe(suspicion: Suspicion, now: float) -> str:
     """Every signal of `suspicion`, oldest first, as one phrase."""
     return "; ".join(s.text(now) for s in suspicion.signals)
@@ -161,11 +196,13 @@ def lost_reason(
     now: float,
     probe_timeout_s: float,
     waited_for: str,
+    flap_grace_s: float = 0.0,
 ) -> str:
-    """Why `dead` are lost: the signals that made each a suspect, and the unanswered probe.
+    """Why `dead` are lost: the signals that made each a suspect, and what settled it.
 
-    Without signals (the heartbeats alone made them suspects) the reason reads
-    as it always did.
+    What settled it is the unanswered probe, or for a device whose control
+    connection closed, its not coming back within the grace. Without signals
+    (the heartbeats alone made them suspects) the reason reads as it always did.
     """
     if not any(d in suspects for d in dead):
         silent = max(now - members[d].last_seen for d in dead)
@@ -174,6 +211,7 @@ def lost_reason(
             f"a probe within {probe_timeout_s:g} s while the coordinator waited for "
             f"{waited_for}"
         )
+    closed = set(not_back(suspects, members, now, dead, flap_grace_s))
     parts = []
     for d in dead:
         evidence = (
@@ -181,5 +219,9 @@ def lost_reason(
             if d in suspects
             else f"missed heartbeats for {now - members[d].last_seen:.1f} s"
         )
-        parts.append(f"{d}: {evidence}; probe unanswered for {now - probes[d].sent:.2f} s")
+        if d in closed:
+            settled = f"not back within the {flap_grace_s:.2f} s grace"
+        else:
+            settled = f"probe unanswered for {now - probes[d].sent:.2f} s"
+        parts.append(f"{d}: {evidence}; {settled}")
     return f"workers {dead} lost while the coordinator waited for {waited_for}: " + "; ".join(parts)

@@ -77,27 +77,42 @@ def closed(at: float, device: DeviceId = B) -> Disconnected:
     return Disconnected(device, COORDINATOR, at)
 
 
-def test_a_closed_connection_is_probed_after_the_grace_then_lost_naming_the_signals():
+def peer_closed(at: float, device: DeviceId = B) -> Disconnected:
+    return Disconnected(device, C if device != C else A, at, EPOCH)
+
+
+def test_a_closed_connection_not_back_after_the_grace_is_lost_at_once_naming_the_signals():
     w, out = run(
         wait(),
         [
             (0.50, closed(0.50)),
             (0.55, Tick()),
             (0.51 + GRACE_S, Reply(A, _unrelated())),  # an unrelated reply: ignored
-            (0.49 + GRACE_S, Tick()),  # before the grace is over: no probe yet
+            (0.49 + GRACE_S, Tick()),  # before the grace is over: nothing yet
         ],
     )
-    assert not of(SendProbe, out)
+    assert not of(SendProbe, out) and not of(Lost, out)
     w, out = run(w, [(0.52 + GRACE_S, Tick())])
-    assert [p.device for p in of(SendProbe, out)] == [B]
-    w, out = run(w, [(0.53 + GRACE_S + PROBE_S, Tick())])
+    assert not of(SendProbe, out)  # no probe could reach it: its connection is gone
     (lost,) = of(Lost, out)
     assert lost.devices == [B]
     assert lost.reason == (
         "workers ['b'] lost while the coordinator waited for RoundDone of round 7: "
-        "b: control connection closed 0.53 s ago; probe unanswered for 0.21 s"
+        "b: control connection closed 0.32 s ago; not back within the 0.30 s grace"
     )
     assert w.done and B not in w.suspects and B not in w.probes
+
+
+def test_a_neighbours_closed_connection_is_probed_after_the_grace_then_lost():
+    w, out = run(wait(), [(0.5, Disconnected(B, A, 0.5, EPOCH)), (0.49 + GRACE_S, Tick())])
+    assert not of(SendProbe, out)
+    w, out = run(w, [(0.51 + GRACE_S, Tick())])
+    assert [p.device for p in of(SendProbe, out)] == [B]  # its control link may be fine
+    w, out = run(w, [(0.52 + GRACE_S + PROBE_S, Tick())])
+    (lost,) = of(Lost, out)
+    assert lost.reason.endswith(
+        "b: a reported its connection to it closed 0.52 s ago; probe unanswered for 0.21 s"
+    )
 
 
 def _unrelated() -> RunRound:
@@ -119,7 +134,7 @@ def test_a_heartbeat_read_before_the_close_does_not_clear_it():
         wait(),
         [(0.9, Beats(early)), (1.0, closed(1.0)), (1.0 + GRACE_S + 0.01, Tick())],
     )
-    assert [p.device for p in of(SendProbe, out)] == [B]
+    assert [lost.devices for lost in of(Lost, out)] == [[B]]
 
 
 def test_a_reconnect_reported_within_the_grace_clears_the_suspect():
@@ -136,13 +151,13 @@ def test_a_reconnect_reported_within_the_grace_clears_the_suspect():
 
 
 def test_an_answered_probe_clears_the_suspect_and_a_late_answer_after_the_loss_changes_nothing():
-    w, out = run(wait(), [(0.0, closed(0.0)), (GRACE_S + 0.01, Tick())])
+    w, out = run(wait(), [(0.0, peer_closed(0.0)), (GRACE_S + 0.01, Tick())])
     (probe,) = of(SendProbe, out)
     w, out = run(w, [(GRACE_S + 0.05, ProbeAnswer(B, probe.nonce)), (5.0, Tick())])
     assert [c.device for c in of(core.Heard, out)] == [B]
     assert not of(Lost, out) and w.suspects == {} and w.probes == {}
     # a second close: this time nobody answers, and the answer comes after the verdict
-    w, out = run(w, [(6.0, closed(6.0)), (6.0 + GRACE_S + 0.01, Tick())])
+    w, out = run(w, [(6.0, peer_closed(6.0)), (6.0 + GRACE_S + 0.01, Tick())])
     (probe,) = of(SendProbe, out)
     w, out = run(w, [(6.0 + GRACE_S + PROBE_S + 0.02, Tick())])
     assert of(Lost, out) and w.done
@@ -167,23 +182,26 @@ def test_a_silent_report_left_unanswered_names_the_reporter_and_its_wait():
     assert "b: a waited 1.50 s for its data; probe unanswered for 0.21 s" in lost.reason
 
 
-def test_every_signal_is_named_and_kept_bounded():
+def test_every_signal_is_named_once_per_reporter_and_kept_bounded():
     script: list[tuple[float, core.Event]] = [(0.0, closed(0.0))]
     script += [(0.01 * i, Disconnected(B, A, 0.01 * i, EPOCH)) for i in range(1, 20)]
     w, _ = run(wait(), script)
-    assert len(w.suspects[B].signals) == MAX_SIGNALS
+    assert [(s.reporter, s.at) for s in w.suspects[B].signals] == [(COORDINATOR, 0.0), (A, 0.19)]
     assert w.suspects[B].since == 0.0  # the earliest signal still counts
-    w, out = run(w, [(0.31, Tick()), (0.52, Tick())])
+    w, out = run(w, [(0.31, Tick())])
     (lost,) = of(Lost, out)
     assert "a reported its connection to it closed" in lost.reason
+    assert lost.reason.endswith("not back within the 0.30 s grace")
+    many = {B: detection.Suspicion(0.0, 0.3, (Signal(0.0, COORDINATOR, "disconnected"),))}
+    for i in range(3 * MAX_SIGNALS):
+        signal = Signal(0.01 * i, DeviceId(f"n{i}"), "disconnected")
+        many = detection.suspect(many, members(), B, signal, 1.0)
+    kept = many[B].signals
+    assert len(kept) == MAX_SIGNALS and kept[0].reporter == COORDINATOR
 
 
 def test_two_devices_closed_together_are_lost_together():
-    _w, out = run(
-        wait(),
-        [(0.0, closed(0.0, B)), (0.0, closed(0.0, C)), (0.31, Tick()), (0.52, Tick())],
-    )
-    assert sorted(p.device for p in of(SendProbe, out)) == [B, C]
+    _w, out = run(wait(), [(0.0, closed(0.0, B)), (0.0, closed(0.0, C)), (0.31, Tick())])
     (lost,) = of(Lost, out)
     assert lost.devices == [B, C]
     assert "b: control connection closed" in lost.reason
@@ -234,7 +252,7 @@ def test_suspects_carry_over_to_the_next_wait_and_leave_with_the_plan():
     )
     assert B in nxt.suspects
     _, out = run(nxt, [(1.0 + GRACE_S + 0.01, Tick())])
-    assert [p.device for p in of(SendProbe, out)] == [B]
+    assert [lost.devices for lost in of(Lost, out)] == [[B]]
     gone = core.begin(
         RoundDone, [A, C], EPOCH, 8, 1.1, 60.0, DEADLINE_S, PROBE_S, suspects=w.suspects
     )

@@ -3,9 +3,9 @@
 Real coordinator and worker processes on loopback, real Redis. The kernel
 closes a killed process's connections at once: the coordinator's socket
 monitor sees its control connection close (and its neighbours report theirs),
-so it is a suspect within milliseconds, probed after the flap grace and lost
-once the probe goes unanswered. The recovery's recorded reason must name that
-closed connection and the unanswered probe, and the job must finish
+so it is a suspect within milliseconds, and lost once the flap grace is over
+without it coming back. The recovery's recorded reason must name that closed
+connection and the grace, and the job must finish
 on the survivors with the single-process result, every sample once per epoch,
 as the recovery tests check it.
 """
@@ -71,4 +71,4 @@ def test_a_killed_worker_is_lost_by_its_closed_connection_and_recovered_exactly(
     (recovering,) = [e for e in store.read("events", "sig") if e["event"] == "recovering"]
     reason = recovering["reason"]
     assert "b: control connection closed" in reason, reason
-    assert "probe unanswered for" in reason and "missed heartbeats" not in reason, reason
+    assert "not back within the" in reason and "missed heartbeats" not in reason, reason

@@ -63,8 +63,8 @@ HELD_PER_PEER = 64
 """Messages kept for a device whose connection is down; the oldest go beyond."""
 HELD_S = 3.0
 """How long a device's connection may stay down for what was kept for it to be delivered
-(the loop sets `hold_s` to the flap grace plus the probe timeout in force: a device down
-longer has been declared lost, and an old epoch's commands would only confuse it)."""
+(the loop sets `hold_s` to the flap grace in force: a device down longer has been declared
+lost, and an old epoch's commands would only confuse it)."""
 HELD_PEERS = 1_024
 """Devices messages are kept for at most; the least recent go beyond."""
 MONITOR_MAX_EVENTS = 1_000

@@ -175,7 +175,7 @@ class Waits:
         now, state = time.monotonic(), self.cluster.state
         self.timeouts.beats(state.members, state.assigned)
         eff = self.timeouts.refresh(state.running, now)
-        self.control.hold_s = eff.flap_grace_s + eff.probe_timeout_s
+        self.control.hold_s = eff.flap_grace_s  # down longer: lost, its commands stale
         yield Beats(state.members)
         while self.control.closed:
             peer, at = self.control.closed.popleft()

@@ -77,7 +77,7 @@ bench-elastic:  ## join and drain on the edge testbed (root), against fresh 4- a
 
 .PHONY: chaos
 chaos:  ## a seeded chaos run on the edge testbed (root): 25 membership events on one job, invariants, event table and plot (bench-results/chaos)
-	$(BIN)/python -m tests.chaos.run --backend testbed --seed 28 --events 25 --devices 4 --need 2 --out bench-results/chaos
+	$(BIN)/python -m tests.chaos.run --backend testbed --seed 28 --events 25 --devices 4 --need 2 --per-event 3 --out bench-results/chaos
 
 bench-galaxy:  ## Galaxy serving on the edge testbed (root): galaxy, megatron, sp, local; links swept
 	$(BIN)/python -m tests.bench.bench_galaxy --out bench-results/galaxy

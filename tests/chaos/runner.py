@@ -28,7 +28,7 @@ import redis
 from common.errors import StoreError
 from common.plan import Plan
 from common.store import Store
-from tests.chaos.backend import Backend
+from tests.chaos.backend import REMOVING, Backend
 from tests.chaos.sampler import Sample, Sampler
 from tests.chaos.schedule import Event, Schedule
 
@@ -302,10 +302,7 @@ class Runner:
                 time.sleep(event.hold_s)
                 (b.cont if stop_cont else b.restore_link)(target)
         elif kind == "kill_stage":
-            stages = self.watch.plan_devices()
-            s = event.pick % len(stages)
-            backup = self.watch.backup(s)
-            rec.targets = sorted(set(stages[s]) | ({backup} if backup else set()))
+            rec.targets, rec.note = self._stage_with_backup(event.pick)
             for target in rec.targets:
                 b.kill(target)
             self.gone.update(rec.targets)
@@ -319,6 +316,29 @@ class Runner:
             b.kill_redis()
             time.sleep(REDIS_DOWN_S)
             b.start_redis()
+
+    def _stage_with_backup(self, pick: int) -> tuple[list[str], str]:
+        """The devices of a stage and of its backup that `kill_stage` may kill, and a note.
+
+        The schedule counts a `kill_stage` as `REMOVING["kill_stage"]` devices, so
+        only a stage that loses no more than that with its backup is taken (from
+        the picked one on, in plan order): a multi-device stage with its backup can
+        be larger, and killing it could leave fewer devices than the job needs.
+        When none fits, the picked stage's first devices up to the bound die, and
+        the note says so.
+        """
+        stages = self.watch.plan_devices()
+        bound = REMOVING["kill_stage"]
+        candidates = []
+        for i in range(len(stages)):
+            s = (pick + i) % len(stages)
+            backup = self.watch.backup(s)
+            candidates.append(sorted(set(stages[s]) | ({backup} if backup else set())))
+        for targets in candidates:
+            if len(targets) <= bound:
+                return targets, ""
+        picked = candidates[0][:bound]
+        return picked, f"no stage with its backup within {bound} devices: killed {picked}"
 
     def _second(self, first: EventRecord, event: Event) -> EventRecord:
         """Inject `event` once `first` is seen recovering (before it recovered, if in time)."""

@@ -46,8 +46,9 @@ time.sleep(600)
 """
 
 
-def _peer(addr: str) -> tuple[subprocess.Popen[str], float]:
-    """A process holding a ROUTER at `addr`, and when it said it was bound."""
+def peer_process(addr: str) -> tuple[subprocess.Popen[str], float]:
+    """A process holding a data ROUTER at `addr` (as a worker's receiver does), and when it
+    said it was bound; the integration test of the reports starts its peers with it too."""
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
         [sys.executable, "-c", _PEER, addr],
@@ -101,7 +102,7 @@ def measure(trials: int) -> tuple[list[float], list[float], int]:
     down: list[float] = []
     back: list[float] = []
     missed = 0
-    proc, _ = _peer(addr)
+    proc, _ = peer_process(addr)
     try:
         out.set_peers({"b": addr}, epoch=1, watch={"b"})
         time.sleep(0.5)  # connected: the first connection is no news
@@ -110,7 +111,7 @@ def measure(trials: int) -> tuple[list[float], list[float], int]:
             killed = time.monotonic()
             _kill(proc)
             at = heard.wait("disconnected", seen)
-            proc, bound = _peer(addr)
+            proc, bound = peer_process(addr)
             again = heard.wait("reconnected", seen)
             if at is None or again is None:
                 missed += 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,38 +35,16 @@ from common.store import Store
 from common.zoo import build_model
 from services.worker.peer_watch import BURST, SPACING_S
 from services.worker.transport import Dispatcher
+from tests.bench.bench_peer_down import peer_process
 from tests.cluster import Budget, LocalCluster
 
 WAIT_S = 30.0
 """Longest any one expected report may take (milliseconds on an idle machine)."""
 
-_PEER = """
-import sys, time, zmq
-from common.codec import Limits
-from common.sockets import bind_router
-ctx = zmq.Context()
-sock, _ = bind_router(ctx, sys.argv[1], Limits())
-print("bound", flush=True)
-time.sleep(600)
-"""
-
 
 def _peer(addr: str) -> subprocess.Popen[str]:
     """A process holding a data ROUTER at `addr`, as a worker's receiver does."""
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PEER, addr],
-        cwd=root,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    assert proc.stdout is not None
-    try:
-        assert proc.stdout.readline().strip() == "bound"
-    finally:
-        proc.stdout.close()
-    return proc
+    return peer_process(addr)[0]
 
 
 class _Reports:

@@ -20,7 +20,7 @@ from common.planner_names import PLANNER_NAMES
 from services.coordinator.checked import CheckedJob
 from services.coordinator.model_probe import ProbeLimits, probe_model
 
-__all__ = ["CheckedJob", "check_job"]
+__all__ = ["CheckedJob", "check_data", "check_job"]
 
 
 _LIMITS = ProbeLimits()
@@ -51,6 +51,18 @@ def check_job(
         raise
     except ConfigError as exc:
         raise ConfigError(f"model: {exc}") from exc
+    return check_data(job, allowed_modules, facts.layers)
+
+
+def check_data(job: JobSpec, allowed_modules: Collection[str], layers: int) -> CheckedJob:
+    """`job` checked but for its model, whose `layers` are known already.
+
+    A resumed job whose spec an earlier coordinator checked and whose
+    checkpoint names its layers needs no model build: that build starts a
+    process importing torch, which on a loaded board takes seconds while the
+    restarted coordinator's socket waits unread. The data is sized again (it
+    is cheap, and this machine's view of it is the one that counts).
+    """
     if job.planner not in PLANNER_NAMES:
         raise ConfigError(f"planner: {job.planner!r} is not one of {sorted(PLANNER_NAMES)}")
     try:
@@ -63,4 +75,4 @@ def check_job(
         rounds = job.total_rounds(size)
     except ConfigError as exc:
         raise ConfigError(f"epochs: {exc}") from exc
-    return CheckedJob(job, rounds, size, evals, facts.layers)
+    return CheckedJob(job, rounds, size, evals, layers)

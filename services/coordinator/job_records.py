@@ -10,14 +10,17 @@ import time
 
 from common.checkpoint import latest_round
 from common.errors import ConfigError
-from common.job import check_job_id
+from common.job import JobSpec, check_job_id
 from common.records.documents import put_jobspec, read_jobspec
 from common.records.events import append_event
 from common.records.jobs import forget_job, index_job, job_state, write_job
 from common.store import Store
 from services.coordinator.checked import CheckedJob, id_taken
 
-__all__ = ["check_fresh", "check_resumable", "existing", "register"]
+_MAX_LAYERS = 1 << 16
+"""More layers than any model placed here has: a manifest saying so is not trusted."""
+
+__all__ = ["check_fresh", "check_resumable", "checked_layers", "existing", "register"]
 
 
 def register(store: Store, checked: CheckedJob, forget_old: bool = False) -> None:
@@ -70,3 +73,22 @@ def check_resumable(store: Store, jid: str, total: int) -> None:
             f"resume: job {jid} has {total} rounds and already a checkpoint of round "
             f"{done}; nothing is left to run"
         )
+
+
+def checked_layers(store: Store, job: JobSpec) -> int | None:
+    """The model's layers if an earlier run of this very spec was checked, else None.
+
+    A spec is registered only after its check passed, and a committed
+    checkpoint's manifest names the layers that check found: when the stored
+    spec is `job` unchanged and a checkpoint exists, building the model again
+    would learn nothing. Anything else (a changed spec, no checkpoint yet, a
+    manifest without a sane layer count) asks for the full check.
+    """
+    if read_jobspec(store, job.job_id) != job.model_dump(mode="json"):
+        return None
+    done = latest_round(store, job.job_id)
+    manifest = None if done is None else store.get_json("ckpt", job.job_id, done, "manifest")
+    layers = manifest.get("layers") if isinstance(manifest, dict) else None
+    if isinstance(layers, int) and not isinstance(layers, bool) and 0 < layers <= _MAX_LAYERS:
+        return layers
+    return None

@@ -52,7 +52,7 @@ from common.settings import CoordinatorSettings
 from common.store import Store
 from services.coordinator import job_records
 from services.coordinator.active import A, Active, Crashed, Run, job_of
-from services.coordinator.checks import CheckedJob, check_job
+from services.coordinator.checks import CheckedJob, check_data, check_job
 from services.coordinator.cluster_shell import Cluster, StateField
 from services.coordinator.cluster_state import HeartbeatIn, HelloIn, ProbeAnswerIn, Queued, Sweep
 from services.coordinator.control import PUMP_MAX_MESSAGES, ControlSocket, role_refusal
@@ -264,7 +264,21 @@ class Coordinator:
         (delete it first) says what to do with it: starting a job never deletes
         another run's checkpoints by itself.
         """
-        checked = check_job(job, self.settings.model_modules, probe_limits(self.settings))
+        allowed = self.settings.model_modules
+        # on resume an unchanged, checkpointed spec skips the model build (seconds of torch
+        # imports in a child while this socket, and the workers coming back, wait unread)
+        layers = (
+            self.durable(
+                f"reading job {job.job_id}", partial(job_records.checked_layers, self.store, job)
+            )
+            if resume
+            else None
+        )
+        checked = (
+            check_job(job, allowed, probe_limits(self.settings))
+            if layers is None
+            else check_data(job, allowed, layers)
+        )
         committed = 0
 
         def admit_job() -> None:

@@ -265,6 +265,14 @@ class LocalCluster:
         """The last lines of child `name`'s log, headed by its name."""
         return f"--- {name}.log ---\n{tail(self.tmp / f'{name}.log', lines)}"
 
+    def wait_round(self, store: Any, jid: str, done: int, cap_s: float = 120.0) -> None:
+        """Wait until job `jid` committed `done` rounds (its record's `round`), within the
+        budget and `cap_s`; the coordinator's log tail names what went wrong otherwise."""
+        deadline = time.monotonic() + self.budget.left(cap_s)
+        while int(store.get_fields("job", jid).get("round", 0)) < done:
+            assert time.monotonic() < deadline, self.log_tail("coordinator")
+            time.sleep(0.02)
+
     def log_events(self, name: str) -> list[dict[str, Any]]:
         out = []
         for line in self.log(name).splitlines():

@@ -82,13 +82,6 @@ def _failed(cluster: LocalCluster, store: Store, job_id: str) -> str:
     return str(record["error"])
 
 
-def _wait_round(store: Store, cluster: LocalCluster, job_id: str, done: int) -> None:
-    deadline = time.monotonic() + cluster.budget.left(60)
-    while int(store.get_fields("job", job_id).get("round", 0)) < done:
-        assert time.monotonic() < deadline, cluster.log("coordinator")
-        time.sleep(0.05)
-
-
 def _logged_at(cluster: LocalCluster, event: str) -> list[tuple[float, dict[str, Any]]]:
     """Wall-clock times (and records) of the coordinator's `event` log lines."""
     return [
@@ -101,7 +94,7 @@ def _logged_at(cluster: LocalCluster, event: str) -> list[tuple[float, dict[str,
 def test_a_stopped_worker_is_probed_then_declared_lost(cluster, store):
     cluster.start_workers(["a", "b"])
     cluster.start_coordinator(_job("stopped", rounds=100_000), PIPELINE)
-    _wait_round(store, cluster, "stopped", 2)
+    cluster.wait_round(store, "stopped", 2)
     b = cluster.procs["b"]
     os.killpg(b.pid, signal.SIGSTOP)  # alive to the kernel, silent to everyone
     stopped_at = time.time()
@@ -148,7 +141,7 @@ def test_a_throttled_straggler_that_heartbeats_and_progresses_is_not_failed(clus
         "optimizer": STRAGGLER_OPTIMIZER,
     }
     cluster.start_coordinator(job, STRAGGLER_PLAN)
-    _wait_round(store, cluster, "slow", FREE_ROUNDS)
+    cluster.wait_round(store, "slow", FREE_ROUNDS)
     b = cluster.procs["b"]
     stop = threading.Event()
     cycles: list[int] = []

@@ -12,13 +12,11 @@ as the recovery tests check it.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from common.store import Store
 from tests.cluster import LocalCluster
 from tests.integration.test_equivalence import stage
 from tests.integration.test_recovery import (
@@ -47,13 +45,6 @@ def reference() -> tuple[dict[str, Any], list[float]]:
     return reference_train(MODEL, SEED, BATCH, ROUNDS, SGD, dataset=DATASET)
 
 
-def _wait_round(store: Store, cluster: LocalCluster, jid: str, done: int) -> None:
-    deadline = time.monotonic() + cluster.budget.left(120)
-    while int(store.get_fields("job", jid).get("round", 0)) < done:
-        assert time.monotonic() < deadline, cluster.log_tail("coordinator")
-        time.sleep(0.02)
-
-
 def test_a_killed_worker_is_lost_by_its_closed_connection_and_recovered_exactly(
     tmp_path: Path, redis_url, cluster_name, budget, store, reference
 ):
@@ -63,7 +54,7 @@ def test_a_killed_worker_is_lost_by_its_closed_connection_and_recovered_exactly(
             cluster.spawn(name, ["-m", "services.worker.main", "--device", name])
             cluster.workers.append(name)
         cluster.start_coordinator(job_spec("sig", replicate_every=1), PLAN)
-        _wait_round(store, cluster, "sig", 2)
+        cluster.wait_round(store, "sig", 2)
         cluster.procs["b"].kill()  # mid-job, whatever b was doing
         _check_run(cluster, store, "sig", ["b"], reference)
     finally:

@@ -52,13 +52,6 @@ def _worker(cluster: LocalCluster, name: str) -> None:
     cluster.workers.append(name)
 
 
-def _until_round(cluster: LocalCluster, store: Store, jid: str, r: int, budget: Any) -> None:
-    deadline = time.monotonic() + budget.left(120)
-    while int(store.get_fields("job", jid).get("round", 0)) < r:
-        assert time.monotonic() < deadline, cluster.log_tail("coordinator")
-        time.sleep(0.02)
-
-
 def _check_exact(
     store: Store, jid: str, reference: tuple[dict[str, Any], list[float]]
 ) -> dict[str, Any]:
@@ -84,7 +77,7 @@ def test_a_drained_device_leaves_at_a_round_boundary_and_nothing_is_replayed(
         for name in WORKERS:
             _worker(cluster, name)
         cluster.start_coordinator(job_spec("drain", checkpoint_every=0), PLAN)
-        _until_round(cluster, store, "drain", 3, budget)
+        cluster.wait_round(store, "drain", 3)
         reply = ask_coordinator(cluster.addr, DrainDevice(target=DeviceId(leaving)), 15.0)
         assert reply.ok and reply.job_id == "drain", reply
         refused = ask_coordinator(cluster.addr, DrainDevice(target=DeviceId("zz")), 15.0)

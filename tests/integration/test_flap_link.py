@@ -124,13 +124,6 @@ def reference() -> tuple[dict[str, Any], list[float]]:
     return reference_train(MODEL, SEED, BATCH, ROUNDS, SGD, dataset=DATASET)
 
 
-def _wait_round(store: Store, cluster: LocalCluster, jid: str, done: int) -> None:
-    deadline = time.monotonic() + cluster.budget.left(120)
-    while int(store.get_fields("job", jid).get("round", 0)) < done:
-        assert time.monotonic() < deadline, cluster.log_tail("coordinator")
-        time.sleep(0.01)
-
-
 def _run(
     tmp_path: Path, redis_url: str, cluster_name: str, budget: Any, store: Store, cuts: list[float]
 ) -> tuple[LocalCluster, list[dict[str, Any]]]:
@@ -149,7 +142,7 @@ def _run(
         jid = "flap-link"
         cluster.start_coordinator(job_spec(jid, rounds=ROUNDS, replicate_every=1), PLAN)
         for i, refuse_s in enumerate(cuts):
-            _wait_round(store, cluster, jid, 2 * (i + 1))
+            cluster.wait_round(store, jid, 2 * (i + 1))
             # mid-round, when no command is on its way: one the relay holds when it drops
             # the connection is lost with it (ZeroMQ's commands carry no acknowledgement)
             time.sleep(MID_ROUND_S)

@@ -27,6 +27,10 @@ from common.ids import DeviceId
 from common.messages import Message, WorkerError
 from services.coordinator.detection import (
     COORDINATOR,
+    Disconnected,
+    PeerSilent,
+    Reconnected,
+    Refused,
     Signal,
     Suspects,
     clear,
@@ -34,8 +38,10 @@ from services.coordinator.detection import (
     live,
     lost_reason,
     not_back,
+    port_refused,
     refusal,
     suspect,
+    take_refused,
 )
 from services.coordinator.membership import (
     Members,
@@ -60,6 +66,7 @@ __all__ = [
     "PeerSilent",
     "ProbeAnswer",
     "Reconnected",
+    "Refused",
     "Reply",
     "SendProbe",
     "Signalled",
@@ -150,43 +157,10 @@ class Tick:
     """Time passed: check liveness, the watchdog and the deadline."""
 
 
-@dataclass(frozen=True)
-class Disconnected:
-    """`reporter`'s connection to `device` closed at `at`.
-
-    The reporter is `detection.COORDINATOR` for the coordinator's own control
-    socket (no epoch), or a neighbour that sent PeerDown in plan `epoch`.
-    """
-
-    device: DeviceId
-    reporter: DeviceId
-    at: float
-    epoch: int | None = None
-
-
-@dataclass(frozen=True)
-class Reconnected:
-    """`reporter`'s connection to `device` is back: the device is alive."""
-
-    device: DeviceId
-    reporter: DeviceId
-    epoch: int | None = None
-
-
-@dataclass(frozen=True)
-class PeerSilent:
-    """`reporter` waited `waited_s` for `device`'s data, longer than its peer timeout."""
-
-    device: DeviceId
-    reporter: DeviceId
-    waited_s: float
-    epoch: int | None = None
-
-
-Signalled = Disconnected | Reconnected | PeerSilent
+Signalled = Disconnected | Reconnected | PeerSilent | Refused
 """Evidence about a device's liveness from outside its own messages."""
 
-Event = Reply | Beats | ProbeAnswer | Tick | Disconnected | Reconnected | PeerSilent
+Event = Reply | Beats | ProbeAnswer | Tick | Disconnected | Reconnected | PeerSilent | Refused
 
 
 # --- commands -----------------------------------------------------------------
@@ -297,7 +271,7 @@ def apply(wait: Wait, event: Event, now: float) -> tuple[Wait, list[Command]]:
         return replace(wait, members=dict(event.members)), []
     if isinstance(event, ProbeAnswer):
         return _on_probe_answer(wait, event, now)
-    if isinstance(event, Disconnected | Reconnected | PeerSilent):
+    if isinstance(event, Disconnected | Reconnected | PeerSilent | Refused):
         among = wait.want | wait.watch
         suspects, commands = signalled(
             wait.suspects, wait.members, event, among, wait.epoch, wait.flap_grace_s, now
@@ -318,14 +292,15 @@ def signalled(
     """Suspects after `event`, and what to log: the rule for a wait and between waits alike.
 
     A closed connection makes a suspect probed after the grace, a neighbour's
-    overdue data one probed at once; a reconnect clears it. A neighbour's report
+    overdue data one probed at once; a reconnect clears it; a refused data port
+    after a closed connection makes it lost at the next tick. A neighbour's report
     that does not fit the running plan and epoch is dropped with a warning that
     names its sender (a peer's word is evidence only where it can be checked).
     """
     why = refusal(event.reporter, event.device, among, event.epoch, epoch)
     how = "reconnected" if isinstance(event, Reconnected) else "disconnected"
-    if isinstance(event, PeerSilent):
-        how = "silent"
+    if isinstance(event, PeerSilent | Refused):
+        how = "silent" if isinstance(event, PeerSilent) else "refused"
     if why is not None:
         dropped = {"peer": event.reporter, "about": event.device, "how": how, "reason": why}
         if event.reporter == COORDINATOR and event.epoch is None:  # any client's socket
@@ -336,6 +311,10 @@ def signalled(
             return suspects, []
         back = {"device": event.device, "reporter": event.reporter}
         return clear(suspects, [event.device]), [Log("info", "suspect reconnected", back)]
+    if isinstance(event, Refused):
+        taken, no = take_refused(suspects, members, event.device, event.at)
+        note = {"device": event.device, "ignored": no} if no else {"device": event.device}
+        return taken, [Log("debug" if no else "warning", "data port refused a connection", note)]
     if isinstance(event, Disconnected):
         signal = Signal(event.at, event.reporter, "disconnected")
         probe_at = event.at + flap_grace_s
@@ -392,8 +371,9 @@ def _on_tick(wait: Wait, now: float) -> tuple[Wait, list[Command]]:
 
     A suspect is a device whose heartbeats are overdue or whose signals'
     grace is over with nothing heard from it since (`detection.due`); one whose
-    control connection closed and did not come back within the grace is lost
-    at once (`detection.not_back`): a probe could not even reach it. Devices
+    control connection closed and did not come back within the grace, or whose
+    data port then refused a connection, is lost at once (`detection.not_back`,
+    `port_refused`): a probe could not even reach it. Devices
     that fail at the same check fail together: one `Lost` names them all, so
     the job recovers once without all of them rather than once per device. The
     dead are reported before the hung (a device found hung in the same tick is
@@ -409,7 +389,10 @@ def _on_tick(wait: Wait, now: float) -> tuple[Wait, list[Command]]:
         wait.heartbeat_deadline_s,
         wait.probe_timeout_s,
     )
-    gone = not_back(suspects, wait.members, now, among, wait.flap_grace_s)
+    gone = [
+        *not_back(suspects, wait.members, now, among, wait.flap_grace_s),
+        *port_refused(suspects, wait.members, among),
+    ]
     if dead := sorted({*found.dead, *gone}):
         probes = {d: p for d, p in found.probes.items() if d not in dead}
         reason = lost_reason(

@@ -12,6 +12,9 @@ a worker heartbeats at once when it reconnects —, a probe's answer, a
 neighbour's "reconnected") clears it. A device whose own control connection
 closed and is not back when the grace is over is lost (`not_back`): no probe
 could reach it, and waiting out a probe timeout would only delay the recovery.
+One whose data port then refused a connection (`Refused`: its kernel says no
+process listens, which no link flap produces) is lost at once, without waiting
+out the grace (`port_refused`).
 Any other suspect (a neighbour's word only, or overdue data) is probed, at once
 or after the grace, and only an unanswered probe makes it lost
 (`core._on_tick`). The reason names every signal, so a person reading the
@@ -33,6 +36,10 @@ from services.coordinator.membership import Members, Probes
 __all__ = [
     "COORDINATOR",
     "MAX_SIGNALS",
+    "Disconnected",
+    "PeerSilent",
+    "Reconnected",
+    "Refused",
     "Signal",
     "Suspects",
     "Suspicion",
@@ -42,8 +49,10 @@ __all__ = [
     "live",
     "lost_reason",
     "not_back",
+    "port_refused",
     "refusal",
     "suspect",
+    "take_refused",
 ]
 
 COORDINATOR = DeviceId("coordinator")
@@ -58,13 +67,15 @@ class Signal:
 
     at: float
     reporter: DeviceId
-    how: Literal["disconnected", "silent"]
+    how: Literal["disconnected", "silent", "refused"]
     waited_s: float = 0.0
     """For "silent": how long the reporter waited for the device's data."""
 
     def text(self, now: float) -> str:
         """The signal as a reason names it ("control connection closed 0.31 s ago")."""
         ago = max(0.0, now - self.at)
+        if self.how == "refused":
+            return "its data port refused a connection"
         if self.reporter == COORDINATOR:
             return f"control connection closed {ago:.2f} s ago"
         if self.how == "disconnected":
@@ -84,6 +95,53 @@ class Suspicion:
 
 
 Suspects = Mapping[DeviceId, Suspicion]
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    """`reporter`'s connection to `device` closed at `at`.
+
+    The reporter is `detection.COORDINATOR` for the coordinator's own control
+    socket (no epoch), or a neighbour that sent PeerDown in plan `epoch`.
+    """
+
+    device: DeviceId
+    reporter: DeviceId
+    at: float
+    epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class Reconnected:
+    """`reporter`'s connection to `device` is back: the device is alive."""
+
+    device: DeviceId
+    reporter: DeviceId
+    epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class PeerSilent:
+    """`reporter` waited `waited_s` for `device`'s data, longer than its peer timeout."""
+
+    device: DeviceId
+    reporter: DeviceId
+    waited_s: float
+    epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class Refused:
+    """`device`'s data port refused a TCP connect begun at `at`: no process listens there.
+
+    The coordinator checks the port when the device's control connection
+    closes, so only the coordinator reports it (no epoch).
+    """
+
+    device: DeviceId
+    at: float
+    reporter: DeviceId = COORDINATOR
+    epoch: int | None = None
 
 
 def refusal(
@@ -147,6 +205,45 @@ def suspect(
     return {**suspects, device: new}
 
 
+def take_refused(
+    suspects: Suspects, members: Members, device: DeviceId, at: float
+) -> tuple[dict[DeviceId, Suspicion], str | None]:
+    """`suspects` with `device`'s refused data port, or unchanged and why it was not taken.
+
+    A refusal counts only for a standing suspect whose own control connection
+    closed before the check began, and not if the device was heard from after
+    that (a worker restarted on the same port answers, and heartbeats).
+    """
+    v = live(suspects, members).get(device)
+    if v is None:
+        return dict(suspects), "it is not a suspect"
+    if (m := members.get(device)) is not None and m.last_seen > at:
+        return dict(suspects), "it was heard from after the check began"
+    if not any(_closed_by(s, at) for s in v.signals):
+        return dict(suspects), "its control connection did not close before the check"
+    signal = Signal(at, COORDINATOR, "refused")
+    return suspect(suspects, members, device, signal, v.probe_at), None
+
+
+def port_refused(
+    suspects: Suspects, members: Members, among: Collection[DeviceId]
+) -> list[DeviceId]:
+    """Suspects of `among` whose control connection closed and then whose data port refused."""
+    return sorted(
+        d
+        for d, v in live(suspects, members).items()
+        if d in among
+        and any(
+            r.how == "refused" and any(_closed_by(c, r.at) for c in v.signals) for r in v.signals
+        )
+    )
+
+
+def _closed_by(signal: Signal, at: float) -> bool:
+    """`signal` is the coordinator's own control connection closing, at `at` or before."""
+    return signal.reporter == COORDINATOR and signal.how == "disconnected" and signal.at <= at
+
+
 def clear(suspects: Suspects, devices: Collection[DeviceId]) -> dict[DeviceId, Suspicion]:
     """`suspects` without `devices` (it came back, or its loss was declared)."""
     return {d: s for d, s in suspects.items() if d not in devices}
@@ -201,7 +298,8 @@ def lost_reason(
     """Why `dead` are lost: the signals that made each a suspect, and what settled it.
 
     What settled it is the unanswered probe, or for a device whose control
-    connection closed, its not coming back within the grace. Without signals
+    connection closed, its data port's refusal or its not coming back within
+    the grace. Without signals
     (the heartbeats alone made them suspects) the reason reads as it always did.
     """
     if not any(d in suspects for d in dead):
@@ -212,6 +310,7 @@ def lost_reason(
             f"{waited_for}"
         )
     closed = set(not_back(suspects, members, now, dead, flap_grace_s))
+    nobody = set(port_refused(suspects, members, dead))
     parts = []
     for d in dead:
         evidence = (
@@ -219,7 +318,9 @@ def lost_reason(
             if d in suspects
             else f"missed heartbeats for {now - members[d].last_seen:.1f} s"
         )
-        if d in closed:
+        if d in nobody:
+            settled = "no process listens"
+        elif d in closed:
             settled = f"not back within the {flap_grace_s:.2f} s grace"
         else:
             settled = f"probe unanswered for {now - probes[d].sent:.2f} s"

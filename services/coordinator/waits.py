@@ -54,6 +54,7 @@ from services.coordinator.core import (
     PeerSilent,
     ProbeAnswer,
     Reconnected,
+    Refused,
     Reply,
     SendProbe,
     Tick,
@@ -64,6 +65,7 @@ from services.coordinator.detection import COORDINATOR, Suspects
 from services.coordinator.in_force import InForce
 from services.coordinator.membership import Members, heard
 from services.coordinator.outcomes import DeviceLost, JobCancelled, JobFailed
+from services.coordinator.port_check import PortChecks
 from services.coordinator.prepare_steps import PLANNER
 from services.coordinator.writes import Writes
 
@@ -101,6 +103,8 @@ class Waits:
         """The detection timeouts in force, derived from what the loop sees."""
         self.suspects: Suspects = {}
         """Suspects of `gather`'s waits, kept from one to the next (a job keeps its own)."""
+        self.port_checks = PortChecks()
+        """Data ports checked when a control connection closes: a refusal means no process."""
 
     def check_cancelled(self, jid: str) -> None:
         """Raise JobCancelled if someone cancelled job `jid`."""
@@ -165,8 +169,10 @@ class Waits:
         """What happened since the last look, as events for a wait's or a job's core.
 
         Pumps the socket once, then yields the membership, the control
-        connections that closed, each replica report and inbox message (probe
-        answers and neighbours' reports among them), and a tick. Messages are
+        connections that closed (each starts a check of the device's data port,
+        whose refusal comes back as `Refused` in a later call), each replica
+        report and inbox message (probe answers and neighbours' reports among
+        them), and a tick. Messages are
         taken from the inbox one at a time: what a caller leaves after a verdict
         stays there, in order, for the next step. Callers set `collecting` while
         they read events, so that probe answers come this way too.
@@ -179,7 +185,11 @@ class Waits:
         yield Beats(state.members)
         while self.control.closed:
             peer, at = self.control.closed.popleft()
+            if (member := state.members.get(peer)) is not None:
+                self.port_checks.check(peer, member.info.data_addr)
             yield Disconnected(peer, COORDINATOR, at)
+        for peer, at in self.port_checks.take():
+            yield Refused(peer, at)
         while self.replica_news:
             news = self.replica_news.popleft()
             yield Reply(news.device, news)

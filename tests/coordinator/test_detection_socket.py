@@ -5,7 +5,9 @@ within the grace is none, and a neighbour's PeerDown is checked before it counts
 
 from __future__ import annotations
 
+import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,21 @@ SLOW_BEATS = {"heartbeat_s": 5.0, "heartbeat_misses": 6}
 """Heartbeats overdue only after 30 s: within the waits below, only a signal can lose a device."""
 
 
+DATA_ADDR = "tcp://127.0.0.1:1"
+"""The workers' data address: a port that listens (`_listening`), so that a closed control
+connection below is a link's, not a dead process's (whose refused port is its own test)."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _listening() -> Iterator[None]:
+    global DATA_ADDR
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
+        DATA_ADDR = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+        yield
+
+
 def hb(device: str) -> Heartbeat:
-    return Heartbeat(device=DeviceId(device), data_addr="tcp://127.0.0.1:1")
+    return Heartbeat(device=DeviceId(device), data_addr=DATA_ADDR)
 
 
 def settings(redis_url: str, cluster_name: str, **extra: Any) -> CoordinatorSettings:

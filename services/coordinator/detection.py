@@ -281,8 +281,12 @@ def not_back(
 
 
 def describe(suspicion: Suspicion, now: float) -> str:
-    """Every signal of `suspicion`, oldest first, as one phrase."""
-    return "; ".join(s.text(now) for s in suspicion.signals)
+    """Every signal of `suspicion`, oldest first, as one phrase.
+
+    A refused data port is left out: it is what settled the loss, and the
+    reason names it last (`lost_reason`).
+    """
+    return "; ".join(s.text(now) for s in suspicion.signals if s.how != "refused")
 
 
 def lost_reason(
@@ -319,7 +323,7 @@ def lost_reason(
             else f"missed heartbeats for {now - members[d].last_seen:.1f} s"
         )
         if d in nobody:
-            settled = "no process listens"
+            settled = "its data port refused a connection: no process listens"
         elif d in closed:
             settled = f"not back within the {flap_grace_s:.2f} s grace"
         else:

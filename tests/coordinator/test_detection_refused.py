@@ -32,7 +32,7 @@ def test_a_close_then_a_refused_port_is_lost_at_once_naming_both():
     assert lost.devices == [B]  # at 0.55, well within the grace (over at 0.80)
     assert lost.reason == (
         "workers ['b'] lost while the coordinator waited for RoundDone of round 7: "
-        "b: control connection closed 0.05 s ago; its data port refused a connection; "
+        "b: control connection closed 0.05 s ago; its data port refused a connection: "
         "no process listens"
     )
     assert w.done and B not in w.suspects

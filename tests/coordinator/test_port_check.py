@@ -133,7 +133,7 @@ def test_a_dead_processs_refused_port_is_a_loss_before_the_grace(redis_url, clus
         with pytest.raises(DeviceLost) as lost:  # the grace alone would end it in JobFailed
             coord.gather(RoundDone, [B], 3, 2, timeout_s=grace_s / 2)
         assert lost.value.devices == [B]
-        assert str(lost.value).endswith("its data port refused a connection; no process listens"), (
+        assert str(lost.value).endswith("its data port refused a connection: no process listens"), (
             str(lost.value)
         )
     finally:

@@ -3,9 +3,10 @@
 Real coordinator and worker processes on loopback, real Redis. The kernel
 closes a killed process's connections at once: the coordinator's socket
 monitor sees its control connection close (and its neighbours report theirs),
-so it is a suspect within milliseconds, and lost once the flap grace is over
-without it coming back. The recovery's recorded reason must name that closed
-connection and the grace, and the job must finish
+so it is a suspect within milliseconds, and lost as soon as its data port
+refuses a connection (nothing listens there any more), or else once the flap
+grace is over without it coming back. The recovery's recorded reason must name
+that closed connection and what settled it, and the job must finish
 on the survivors with the single-process result, every sample once per epoch,
 as the recovery tests check it.
 """
@@ -62,4 +63,8 @@ def test_a_killed_worker_is_lost_by_its_closed_connection_and_recovered_exactly(
     (recovering,) = [e for e in store.read("events", "sig") if e["event"] == "recovering"]
     reason = recovering["reason"]
     assert "b: control connection closed" in reason, reason
-    assert "not back within the" in reason and "missed heartbeats" not in reason, reason
+    # its data port refuses at once (no process listens): lost before the grace is over;
+    # on a machine too loaded to run the check within the grace, the grace settles it
+    refused = "its data port refused a connection: no process listens" in reason
+    assert refused or "not back within the" in reason, reason
+    assert "missed heartbeats" not in reason, reason

@@ -36,6 +36,8 @@ SIGNALS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("worker error", ("failed in round", "error")),
 )
 """Detection signals and the words of the coordinator's reasons that name them."""
+REFUSED = "refused a connection"
+"""A closed control connection settled by the device's data port refusing a connect."""
 
 
 def detection_signal(reason: str) -> str:
@@ -43,7 +45,17 @@ def detection_signal(reason: str) -> str:
 
     Only the first reason counts: a second loss during a recovery appends its own.
     """
-    first = reason.split(";", 1)[0].lower()
+    clauses = [c.strip().lower() for c in reason.split(";")]
+    # the first loss's clauses: up to where a second loss's reason begins
+    own = [clauses[0]]
+    for clause in clauses[1:]:
+        if clause.startswith(("workers ", "worker ")):
+            break
+        own.append(clause)
+    if any(REFUSED in c for c in own):
+        # the coordinator names the refusal last, as what settled the loss
+        return "data port refused"
+    first = clauses[0]
     for name, words in SIGNALS:
         if any(w in first for w in words):
             return name

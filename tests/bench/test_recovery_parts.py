@@ -35,6 +35,16 @@ def test_the_signal_is_read_from_the_recovery_reason(reason: str, signal: str) -
     assert detection_signal(reason) == signal
 
 
+def test_a_refused_data_port_named_last_is_the_signal_of_its_own_loss_only() -> None:
+    refused = (
+        f"{LOST}nano-0: control connection closed 0.05 s ago; its data port refused a "
+        "connection: no process listens"
+    )
+    assert detection_signal(refused) == "data port refused"
+    later = f"{LOST}nano-1: control connection closed 0.1 s ago; its data port refused a connection"
+    assert detection_signal(f"{HEARTBEATS}; {later}") == "heartbeats + probe"
+
+
 def test_only_the_first_loss_names_the_signal() -> None:
     """A second loss during a recovery appends its reason after "; "."""
     reason = f"{LOST}nano-0: control connection closed 0.31 s ago; {HEARTBEATS}"

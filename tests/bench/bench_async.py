@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     header: dict[str, Any] = {
         "command": command.strip(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
         "rounds": args.rounds,
         "acc_rounds": args.acc_rounds,

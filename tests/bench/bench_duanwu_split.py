@@ -920,7 +920,7 @@ def plot_epoch(path: Path, rows: Sequence[EpochRow], sim_split: bool) -> None:
 def header_for(command: str) -> dict[str, Any]:
     return {
         "command": command,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
         f"load {os.getloadavg()[0]:.2f}, torch {torch.__version__}",
         "simulator_models_forward_share": simulator_models_split(),

@@ -373,7 +373,7 @@ def write_markdown(path: Path, rows: list[Row], command: str) -> None:
         "# Real training on the edge testbed",
         "",
         f"- command: `{command}`",
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"- machine: {platform.machine()}, {len(os.sched_getaffinity(0))} cores, Python "
         f"{platform.python_version()}",
         "",

@@ -255,7 +255,7 @@ def write_outputs(out: Path, runs: list[Run], cfg: BenchConfig, command: str) ->
         "# Eco-FL and baselines on the virtual-clock simulator (digits, non-IID)",
         "",
         f"- command: `{command}`",
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"- homes: {len(cfg.round_times)}, round times {list(cfg.round_times)} virtual s; "
         f"{cfg.groups} groups; K = {cfg.local_steps} SGD steps per round; seeds {list(cfg.seeds)}",
         f"- horizon {cfg.horizon:g} virtual s per run; target accuracy {cfg.target:.0%}; "

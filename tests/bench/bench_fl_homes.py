@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
 
     header: dict[str, Any] = {
         "command": command,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
         f"load {os.getloadavg()[0]:.1f} at the start",
         "wan": args.wan,

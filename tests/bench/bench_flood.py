@@ -261,7 +261,7 @@ def write_markdown(path: Path, cases: list[Case], command: str, args: argparse.N
         "# Heartbeat-flood benchmark",
         "",
         f"- command: `{command}`",
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"- machine: nproc {len(os.sched_getaffinity(0))}, load average "
         f"{os.getloadavg()[0]:.1f} at the end (other work on the machine skews the ratio)",
         f"- small_cnn, 2 stages on 3 local workers, a real coordinator; {args.repeats} runs "

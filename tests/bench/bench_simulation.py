@@ -327,7 +327,7 @@ def write_markdown(
         "# Planner benchmark in simulation (Asteroid Table 4 / Fig. 13 shape)",
         "",
         f"- command: `{command}`",
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"- machine: {_machine()}",
         f"- profiles: batch sizes {list(cfg.batch_sizes)}, median of {cfg.repeats} runs "
         f"after {cfg.warmup} warm-up; the profiled core is the Xavier NX, TX2 and Nano "

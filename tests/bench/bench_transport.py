@@ -698,7 +698,7 @@ def write_markdown(path: Path, rows: list[Row], command: str, cfg: Config) -> No
         "# Transport benchmark",
         "",
         f"- command: `{command}`",
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"- machine: {_machine()}",
         f"- medians over interleaved repeats; throughput: {cfg.stream_repeats} repeats of "
         f"~{cfg.stream_s} s, ratio ours/raw; all-reduce: {cfg.reduce_repeats} x "

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, cast
+from typing import Any
 
 from common.errors import AsteroidError
 from common.job import JobSpec
@@ -54,6 +54,7 @@ from services.cli.client import ask_coordinator
 from services.testbed.bed import Testbed
 from services.testbed.spec import TestbedSpec, preset
 from tests.bench.bench_recovery import MODELS, header_lines, keyed_services, restart
+from tests.bench.recovery_jobs import stages_text, stream
 
 SUBNET = "10.79.0.0/24"
 """Neither bench-edge's nor bench-recovery's subnet, so the benches may share a machine."""
@@ -108,27 +109,6 @@ class Run:
         if self.replan_round is None or self.cut_round is None:
             return None
         return self.replan_round - self.cut_round
-
-
-def stream(store: Store, name: str, jid: str) -> list[tuple[float, dict[str, Any]]]:
-    """Entries of a job's stream with their Redis ids' time (when they were written)."""
-    raw = cast(list[tuple[bytes, dict[bytes, bytes]]], store.r.xrange(store.key(name, jid)))
-    return [
-        (int(eid.split(b"-")[0]) / 1000.0, {k.decode(): json.loads(v) for k, v in f.items()})
-        for eid, f in raw
-    ]
-
-
-def stages_text(stages: Sequence[Any]) -> str:
-    """A plan's stages as "a-b:dev+dev / ..." (layers a to b), from a stored plan or an event."""
-    out = []
-    for st in stages:
-        if isinstance(st, dict):
-            lo, hi, devs = st["start"], st["end"], [a["device"] for a in st["devices"]]
-        else:
-            lo, hi, devs = st
-        out.append(f"{lo}-{hi}:{'+'.join(devs)}")
-    return " / ".join(out)
 
 
 def pick_device(stages: Sequence[dict[str, Any]], cpu: dict[str, float]) -> str:

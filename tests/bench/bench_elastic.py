@@ -60,11 +60,10 @@ from tests.bench.bench_adapt import (
     job_for,
     run_job,
     save,
-    stages_text,
-    stream,
 )
 from tests.bench.bench_adapt import Run as AdaptRun
 from tests.bench.bench_recovery import header_lines, keyed_services, restart, start_profiler
+from tests.bench.recovery_jobs import stages_text, stream
 
 SUBNET = "10.80.0.0/24"
 """Neither bench-adapt's, bench-recovery's nor bench-edge's subnet: they may share a machine."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,7 +24,16 @@ from tests.bench.recovery_faults import cont_pids, ignored_from, stop_device, ti
 from tests.bench.recovery_parts import detection_signal, split
 from tests.bench.recovery_report import CHECKPOINT_EVERY, Run
 
-__all__ = ["JOB_TIMEOUT_S", "MODELS", "after_cont", "job_for", "measure", "run_job"]
+__all__ = [
+    "JOB_TIMEOUT_S",
+    "MODELS",
+    "after_cont",
+    "job_for",
+    "measure",
+    "run_job",
+    "stages_text",
+    "stream",
+]
 
 MODELS = {
     # model: (spec, global batch, micro-batch)
@@ -33,7 +43,7 @@ MODELS = {
 JOB_TIMEOUT_S = 600.0
 
 
-def _stream(store: Store, name: str, jid: str) -> list[tuple[float, dict[str, Any]]]:
+def stream(store: Store, name: str, jid: str) -> list[tuple[float, dict[str, Any]]]:
     """Entries of a job's stream with their Redis ids' time (the time they were written)."""
     raw = cast(list[tuple[bytes, dict[bytes, bytes]]], store.r.xrange(store.key(name, jid)))
     return [
@@ -45,7 +55,7 @@ def _stream(store: Store, name: str, jid: str) -> list[tuple[float, dict[str, An
     ]
 
 
-def _stages(stages: list[Any]) -> str:
+def stages_text(stages: Sequence[Any]) -> str:
     """A plan's stages as "a-b:dev+dev / ..." (layers a to b), from a plan or an event."""
     out = []
     for st in stages:
@@ -81,11 +91,11 @@ def job_for(model: str, jid: str, rounds: int, workers: int, recovery: str) -> J
 def _recovered_and_committed(store: Store, jid: str, after: float) -> bool:
     """Whether job `jid` recovered after wall time `after` and committed a round since."""
     recovered = [
-        t for t, e in _stream(store, "events", jid) if e.get("event") == "recovered" and t > after
+        t for t, e in stream(store, "events", jid) if e.get("event") == "recovered" and t > after
     ]
     if not recovered:
         return False
-    return any(t > recovered[0] and "samples_per_s" in m for t, m in _stream(store, "metrics", jid))
+    return any(t > recovered[0] and "samples_per_s" in m for t, m in stream(store, "metrics", jid))
 
 
 def run_job(
@@ -114,11 +124,11 @@ def run_job(
                 error = "" if state == "finished" else str(fields.get("error", ""))
                 return state, error, t_kill, t_cont, stages
             if victim is not None and t_kill is None and int(fields.get("round", 0)) >= fail_after:
-                rounds = [m for _, m in _stream(store, "metrics", job.job_id) if "round_s" in m]
+                rounds = [m for _, m in stream(store, "metrics", job.job_id) if "round_s" in m]
                 # into the round in flight, not at its boundary
                 time.sleep(0.3 * float(rounds[-1]["round_s"]) if rounds else 0.0)
                 plan = store.get_json("plan", job.job_id)
-                stages = _stages(plan["stages"]) if plan else ""
+                stages = stages_text(plan["stages"]) if plan else ""
                 t_kill = time.time()
                 if fault == "sigstop":
                     stopped = stop_device(bed, victim)
@@ -138,8 +148,8 @@ def run_job(
 
 def measure(store: Store, run: Run, skip: int, heartbeat_s: float) -> None:
     """Fill `run`'s times, parts and throughputs from its job's streams."""
-    events = _stream(store, "events", run.job_id)
-    metrics = [(t, m) for t, m in _stream(store, "metrics", run.job_id) if "samples_per_s" in m]
+    events = stream(store, "events", run.job_id)
+    metrics = [(t, m) for t, m in stream(store, "metrics", run.job_id) if "samples_per_s" in m]
     # the plot's origin: training starts (profiling and planning before it vary by run)
     submitted = next((t for t, e in events if e.get("event") == "running"), run.t_submit)
     run.t_submit = submitted
@@ -158,7 +168,7 @@ def measure(store: Store, run: Run, skip: int, heartbeat_s: float) -> None:
         run.after = statistics.median(
             [float(m["samples_per_s"]) for _, m in metrics[skip:]] or [0.0]
         )
-        run.stages_after = _stages(plan["stages"]) if plan else ""
+        run.stages_after = stages_text(plan["stages"]) if plan else ""
         return
     t_rec, rec = recovered
     recovering = next(
@@ -172,7 +182,7 @@ def measure(store: Store, run: Run, skip: int, heartbeat_s: float) -> None:
     run.source = str(rec.get("source", ""))
     run.moved_layers = int(rec.get("moved_layers", 0))
     run.moved_bytes = int(rec.get("moved_bytes", 0))
-    run.stages_after = _stages(rec["stages"])
+    run.stages_after = stages_text(rec["stages"])
     before = [(t, m) for t, m in metrics if t < t_kill]
     rates = [float(m["samples_per_s"]) for _, m in before]
     run.before = statistics.median(rates[1:] or rates) if rates else None  # round 1 warms up
@@ -206,7 +216,7 @@ def after_cont(store: Store, run: Run, coordinator_log: Path) -> str:
     if run.t_cont is None:
         return "never let go during the job" if run.fault == "sigstop" else ""
     seen = float(store.get_fields("device", run.device).get("seen", 0.0))
-    events = _stream(store, "events", run.job_id)
+    events = stream(store, "events", run.job_id)
     back = [
         str(e.get("event"))
         for t, e in events

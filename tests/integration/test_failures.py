@@ -48,7 +48,10 @@ def test_killed_worker_fails_job_naming_it(tmp_path, redis_url, cluster_name, bu
         cluster.close()
         store.close()
     assert state["state"] == "failed"
-    assert "['c']" in state["error"] and "heartbeat" in state["error"], state
+    # its connections closed with the process: the coordinator's own, then its data port
+    # refused a connect (no process listens) or, on a loaded machine, the flap grace ran out
+    assert state["error"].startswith("workers ['c'] lost while"), state
+    assert "c: control connection closed" in state["error"], state
     assert detect_s < 30
     # every committed round is in the metrics, once and in order, and none after them:
     # the round in flight when c died was abandoned, not half-committed

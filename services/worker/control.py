@@ -90,12 +90,29 @@ class ControlLink(threading.Thread):
         self._push = ctx.socket(zmq.PUSH)
         self._push.connect(f"{_OUTBOX}-{id(self)}")
         self._push_lock = threading.Lock()
+        self._closed = False
+        """`close` ran: later sends are dropped (the relaying thread is gone)."""
 
     def send(self, msg: Message) -> None:
-        """Send a message to the coordinator (from any thread)."""
+        """Send a message to the coordinator (from any thread); never blocks.
+
+        Threads other than the main one send too (a dispatcher reporting a
+        neighbour's closed connection while the worker shuts down): a blocking
+        send into an outbox nobody reads any more would hold the lock `close`
+        needs, and the worker would never exit. So a message that cannot be
+        queued at once (the link is closing, or its relay has stalled with a
+        full outbox) is dropped and logged, as the relay drops one it cannot
+        pass on to the coordinator.
+        """
         frames = encode(msg, self.device)
         with self._push_lock:
-            self._push.send_multipart(frames)
+            if self._closed:
+                log.debug("control message dropped: the link is closed", type=msg.type)
+                return
+            try:
+                self._push.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("control message dropped: the link does not relay", type=msg.type)
 
     def run(self) -> None:
         """Relay until stopped; a bad command is logged and dropped."""
@@ -226,4 +243,5 @@ class ControlLink(threading.Thread):
         self.stop.set()
         self.join(timeout=5)
         with self._push_lock:
+            self._closed = True
             self._push.close(0)

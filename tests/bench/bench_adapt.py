@@ -53,8 +53,8 @@ from common.store import Store
 from services.cli.client import ask_coordinator
 from services.testbed.bed import Testbed
 from services.testbed.spec import TestbedSpec, preset
-from tests.bench.bench_recovery import MODELS, header_lines, keyed_services, restart
-from tests.bench.recovery_jobs import stages_text, stream
+from tests.bench.bench_recovery import header_lines, keyed_services, restart
+from tests.bench.recovery_jobs import planned_job, stages_text, stream
 
 SUBNET = "10.79.0.0/24"
 """Neither bench-edge's nor bench-recovery's subnet, so the benches may share a machine."""
@@ -130,24 +130,8 @@ def _median(xs: Sequence[float], skip: int = 0) -> float | None:
 
 
 def job_for(model: str, jid: str, rounds: int, workers: int) -> JobSpec:
-    """A planner-made job (profiles, so measured speeds mean something) that may adapt."""
-    spec, batch, micro = MODELS[model]
-    return JobSpec.model_validate(
-        {
-            "job_id": jid,
-            "model": spec,
-            "global_batch": batch,
-            "micro_batch": micro,
-            "rounds": rounds,
-            "optimizer": {"kind": "sgd", "lr": 0.01},
-            "planner": "asteroid",
-            "min_workers": workers,
-            "seed": 1,
-            "adapt": True,
-            # the final evaluation is not what is measured: keep it to one batch
-            "dataset": {"kind": "synthetic", "eval_size": batch},
-        }
-    )
+    """A planner-made job that may adapt (re-partition from measured speeds)."""
+    return planned_job(model, jid, rounds, workers, adapt=True)
 
 
 @dataclass(frozen=True)

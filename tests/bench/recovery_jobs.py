@@ -30,6 +30,7 @@ __all__ = [
     "after_cont",
     "job_for",
     "measure",
+    "planned_job",
     "run_job",
     "stages_text",
     "stream",
@@ -67,7 +68,9 @@ def stages_text(stages: Sequence[Any]) -> str:
     return " / ".join(out)
 
 
-def job_for(model: str, jid: str, rounds: int, workers: int, recovery: str) -> JobSpec:
+def planned_job(model: str, jid: str, rounds: int, workers: int, **extra: Any) -> JobSpec:
+    """A planner-made job of the testbed benches (profiles, so measured speeds mean
+    something); `extra` sets what a bench varies (recovery, adapt)."""
     spec, batch, micro = MODELS[model]
     return JobSpec.model_validate(
         {
@@ -80,11 +83,16 @@ def job_for(model: str, jid: str, rounds: int, workers: int, recovery: str) -> J
             "planner": "asteroid",
             "min_workers": workers,
             "seed": 1,
-            "checkpoint_every": CHECKPOINT_EVERY,
-            "recovery": recovery,
             # the final evaluation is not what is measured: keep it to one batch
             "dataset": {"kind": "synthetic", "eval_size": batch},
+            **extra,
         }
+    )
+
+
+def job_for(model: str, jid: str, rounds: int, workers: int, recovery: str) -> JobSpec:
+    return planned_job(
+        model, jid, rounds, workers, recovery=recovery, checkpoint_every=CHECKPOINT_EVERY
     )
 
 

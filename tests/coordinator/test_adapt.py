@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from common.ids import DeviceId
@@ -110,12 +112,13 @@ def test_slowdowns_are_each_devices_own_against_the_baseline() -> None:
     assert slowdowns(speeds) == {A: pytest.approx(1.0), B: pytest.approx(2.0, rel=1e-3)}
 
 
-def _throttled(plan: Plan) -> tuple[Script, list[Command]]:
+def throttled(plan: Plan, **fields: Any) -> tuple[Script, list[Command]]:
     """A job on `plan` whose device b computes three times slower once the baseline is taken.
 
-    Returns the script and the commands of the round boundary where the core acted.
+    `fields` go to the job. Returns the script and the commands of the round
+    boundary where the core acted.
     """
-    job = job_of(total=40, checkpoint_every=0, replicate_every=0)
+    job = job_of(total=40, checkpoint_every=0, replicate_every=0, **fields)
     s = Script(job, plan)
     s.run, _ = start(job, 40, 4, None, LIMITS, plan, 0, costs=COSTS)
     s.beat(plan.devices, at=0.0)
@@ -134,7 +137,7 @@ def _throttled(plan: Plan) -> tuple[Script, list[Command]]:
 
 
 def test_a_hand_made_plan_has_its_partition_points_moved_at_a_round_boundary() -> None:
-    s, cmds = _throttled(PLAN.model_copy(update={"planner": "manual"}))
+    s, cmds = throttled(PLAN.model_copy(update={"planner": "manual"}))
     assert [c for c in cmds if isinstance(c, Record) and c.state == "replanning"]
     assert not [c for c in cmds if isinstance(c, RequestPlan | PlanAgain)]  # points moved
     assert [(st.start, st.end) for st in s.run.plan.stages] == [(0, 3), (3, 4)]
@@ -142,7 +145,7 @@ def test_a_hand_made_plan_has_its_partition_points_moved_at_a_round_boundary() -
 
 
 def test_a_planned_job_asks_the_planner_again_with_each_devices_measured_slowdown() -> None:
-    s, cmds = _throttled(PLAN)
+    s, cmds = throttled(PLAN)
     (asked,) = [c for c in cmds if isinstance(c, PlanAgain)]
     assert asked.current == PLAN and asked.devices == frozenset({A, B})
     assert asked.slowdowns[A] == pytest.approx(1.0) and asked.slowdowns[B] > 2.0  # b only
@@ -157,7 +160,7 @@ def test_a_planned_job_asks_the_planner_again_with_each_devices_measured_slowdow
 
 
 def test_a_measured_plan_not_worth_its_migration_is_not_moved_to_nor_asked_for_again() -> None:
-    s, _ = _throttled(PLAN)
+    s, _ = throttled(PLAN)
     same = PLAN.model_copy(update={"predicted_round_s": 2.9})
     cmds = s.feed(PlanReady(same, current_s=3.0), at=s.now + 0.1)
     assert not [c for c in cmds if isinstance(c, Record) and c.state == "replanning"]

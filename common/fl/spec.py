@@ -104,6 +104,20 @@ class FederationSpec(BaseModel):
     latency_weight: float = Field(
         1.0, ge=0, le=1000, description="Weight of latency spread against data gap in COST."
     )
+    latency_window: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="A home's latency for regrouping is the median of its last this many "
+        "rounds (1: its latest, as Algorithm 1 has it): one slow round moves nobody.",
+    )
+    regroup_dwell: int = Field(
+        2,
+        ge=1,
+        le=1000,
+        description="A home moves, drops or rejoins only after this many consecutive "
+        "rounds out of its group's band (1: at once), and stays that long where it went.",
+    )
     aggregation: RobustAggregation = Field(
         default_factory=RobustAggregation,
         description="How homes' updates are screened (sample counts, delta norms) and combined.",

@@ -12,6 +12,9 @@ Definitions (all pure, on plain numbers):
 - ``L^g``: the mean latest latency of g's members (n itself excluded when n is one).
 - ``RT^g = rt_fraction * L^g``: a relative band, so slow groups tolerate proportionally
   larger drifts and a group of identical homes still has a non-zero band.
+- A home's latency here is its judged one: the median of its last ``window``
+  measurements, and a change of group waits for ``dwell`` consecutive measurements
+  that call for it (`services.federation.band`; both 1 is Algorithm 1 as published).
 """
 
 from collections.abc import Sequence
@@ -19,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from common.errors import ConfigError
+from services.federation.band import check_band, median, pushed
 
 __all__ = [
     "GroupState",
@@ -32,6 +36,7 @@ __all__ = [
     "group_latency",
     "join_cost",
     "out_of_band",
+    "record",
     "regroup",
 ]
 
@@ -192,11 +197,19 @@ class GroupState:
 
     Attributes:
         groups: Current groups; a group may become empty when its homes leave.
-        latencies: Latest measured response latency of each home, by id.
+        latencies: Judged response latency of each home, by id: the median of
+            ``recent`` (the latest measurement when ``window`` is 1).
         histograms: Each home's label histogram (counts), by id.
         dropped: Homes sitting out until their latency fits some group.
         rt_fraction: ``RT^g = rt_fraction * L^g``.
         latency_weight: Weight of the latency spread in ``COST``.
+        window: Measurements a home's judged latency is the median of.
+        dwell: Consecutive measurements calling for a change of group before it is made.
+        recent: Each home's last ``window`` measured latencies, by id (empty: each
+            home's ``latencies`` entry ``window`` times, so that a median is always
+            over ``window`` values and the first rounds are judged like the later).
+        strikes: Each home's consecutive measurements so far that called for a
+            change of group, by id (empty: none).
 
     """
 
@@ -206,10 +219,31 @@ class GroupState:
     dropped: frozenset[int] = frozenset()
     rt_fraction: float = 0.5
     latency_weight: float = 1.0
+    window: int = 1
+    dwell: int = 1
+    recent: tuple[tuple[float, ...], ...] = ()
+    strikes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.latencies)
         _check(self.latencies, self.histograms, 1)
+        check_band(self.window, self.dwell)
+        if not self.recent:
+            filled = tuple((lat,) * self.window for lat in self.latencies)
+            object.__setattr__(self, "recent", filled)
+        if not self.strikes:
+            object.__setattr__(self, "strikes", (0,) * n)
+        if len(self.recent) != n or len(self.strikes) != n:
+            raise ConfigError(
+                f"need recent latencies and strikes for each of {n} homes, got "
+                f"{len(self.recent)} and {len(self.strikes)}"
+            )
+        if any(not 1 <= len(r) <= self.window or any(not x > 0 for x in r) for r in self.recent):
+            raise ConfigError(
+                f"need 1..{self.window} recent latencies > 0 per home, got {self.recent}"
+            )
+        if any(not 0 <= k < self.dwell for k in self.strikes):
+            raise ConfigError(f"strikes must be in [0, {self.dwell}), got {self.strikes}")
         placed = [h for g in self.groups for h in g] + sorted(self.dropped)
         if sorted(placed) != list(range(n)):
             raise ConfigError(
@@ -258,13 +292,8 @@ class Regrouped:
     group: int | None
 
 
-def regroup(state: GroupState, home: int, latency: float) -> Regrouped:
-    """Algorithm 1 for one measured latency ``L_n`` of home ``n``.
-
-    If ``|L^g - L_n| > RT^g`` for its group g, n moves to the group of minimum
-    ``COST^g_n`` among those with ``|L^g - L_n| < RT^g`` (ties: lowest index; empty
-    groups have no ``L^g`` and are skipped), or drops out; a dropped home rejoins the
-    same way once some group's band holds its latency.
+def record(state: GroupState, home: int, latency: float) -> GroupState:
+    """The state with ``latency`` measured for ``home``: its judged latency re-taken.
 
     Raises:
         ConfigError: Unknown home or a latency that is not > 0.
@@ -274,26 +303,59 @@ def regroup(state: GroupState, home: int, latency: float) -> Regrouped:
         raise ConfigError(f"home must be in [0, {len(state.latencies)}), got {home}")
     if not latency > 0:
         raise ConfigError(f"home {home}: latency must be > 0, got {latency}")
+    recent = list(state.recent)
+    recent[home] = pushed(recent[home], float(latency), state.window)
     lats = list(state.latencies)
-    lats[home] = latency
-    st = replace(state, latencies=tuple(lats))
+    lats[home] = median(recent[home])
+    return replace(state, latencies=tuple(lats), recent=tuple(recent))
+
+
+def _struck(state: GroupState, home: int, strikes: int) -> GroupState:
+    counts = list(state.strikes)
+    counts[home] = strikes
+    return replace(state, strikes=tuple(counts))
+
+
+def regroup(state: GroupState, home: int, latency: float) -> Regrouped:
+    """Algorithm 1 for one measured latency ``L_n`` of home ``n``.
+
+    If ``|L^g - L_n| > RT^g`` for its group g, n moves to the group of minimum
+    ``COST^g_n`` among those with ``|L^g - L_n| < RT^g`` (ties: lowest index; empty
+    groups have no ``L^g`` and are skipped), or drops out; a dropped home rejoins the
+    same way once some group's band holds its latency. ``L_n`` is the home's judged
+    latency (see `record`), and a change is made only on the ``dwell``-th consecutive
+    measurement that calls for one; before that the home keeps its place (``stay``
+    or ``out``) with the count noted.
+
+    Raises:
+        ConfigError: Unknown home or a latency that is not > 0.
+
+    """
+    st = record(state, home, latency)
+    judged = st.latencies[home]
     current = st.group_of(home)
     if current is not None:
         ref = group_latency(st, current, exclude=home)
-        if ref is None or abs(ref - latency) <= st.rt_fraction * ref:
-            return Regrouped(st, "stay", current)
+        if ref is None or abs(ref - judged) <= st.rt_fraction * ref:
+            return Regrouped(_struck(st, home, 0), "stay", current)
     target, min_cost = -1, float("inf")
     for g in range(len(st.groups)):
         ref = group_latency(st, g, exclude=home)
-        if ref is None or not abs(ref - latency) < st.rt_fraction * ref:
+        if ref is None or not abs(ref - judged) < st.rt_fraction * ref:
             continue
         cost = join_cost(st, g, home)
         if cost < min_cost:
             target, min_cost = g, cost
+    if current is None and target == -1:
+        return Regrouped(_struck(st, home, 0), "out", None)
+    if st.strikes[home] + 1 < st.dwell:
+        held = _struck(st, home, st.strikes[home] + 1)
+        return Regrouped(held, "stay" if current is not None else "out", current)
+    st = _struck(st, home, 0)
     without = tuple(tuple(m for m in members if m != home) for members in st.groups)
     if target == -1:
         new = replace(st, groups=without, dropped=st.dropped | {home})
-        return Regrouped(new, "drop" if current is not None else "out", None)
+        return Regrouped(new, "drop", None)
     groups = tuple(
         tuple(sorted((*members, home))) if g == target else members
         for g, members in enumerate(without)

@@ -286,6 +286,8 @@ class Federation:
                 "groups": [list(g) for g in groups.groups],
                 "latencies": list(groups.latencies),
                 "dropped": sorted(groups.dropped),
+                "recent": [list(r) for r in groups.recent],
+                "strikes": list(groups.strikes),
             },
         }
 
@@ -314,6 +316,10 @@ class Federation:
                     dropped=frozenset(int(h) for h in grouped["dropped"]),
                     rt_fraction=self.strategy.rt_fraction,
                     latency_weight=self.strategy.latency_weight,
+                    window=self.strategy.window,
+                    dwell=self.strategy.dwell,
+                    recent=_band_history(grouped.get("recent"), self.strategy.window),
+                    strikes=_band_strikes(grouped.get("strikes"), self.strategy.dwell),
                 )
         except (KeyError, TypeError, ValueError) as exc:
             raise FederationError(f"the stored federation state does not fit: {exc!r}") from exc
@@ -377,3 +383,17 @@ class Federation:
             if outcome.action not in ("stay", "out"):
                 moved.append(Regroup(home, outcome.action, outcome.group))
         return tuple(moved)
+
+
+def _band_history(stored: Any, window: int) -> tuple[tuple[float, ...], ...]:
+    """A snapshot's recent latencies, cut to this federation's window (older: none)."""
+    if stored is None:
+        return ()
+    return tuple(tuple(float(x) for x in r)[-window:] for r in stored)
+
+
+def _band_strikes(stored: Any, dwell: int) -> tuple[int, ...]:
+    """A snapshot's strike counts, capped below this federation's dwell (older: none)."""
+    if stored is None:
+        return ()
+    return tuple(min(int(k), dwell - 1) for k in stored)

@@ -16,6 +16,7 @@ from torch import Tensor
 from common.errors import ConfigError
 from common.fl.spec import FederationSpec, RobustAggregation
 from services.federation.aggregate import StalenessKind, async_merge, staleness_weight
+from services.federation.band import check_band
 from services.federation.grouping import (
     Groups,
     GroupState,
@@ -23,6 +24,7 @@ from services.federation.grouping import (
     astraea_groups,
     fedat_groups,
     group_homes,
+    record,
     regroup,
 )
 from services.federation.robust import Screen, Screened, Update, combine
@@ -66,6 +68,8 @@ class Strategy(ABC):
     merge into the global model with mixing weight ``alpha * s(t - tau)``. `robust`
     says how updates are screened (`screen`) and how a group's models are combined
     (see `services.federation.robust`); its defaults leave an honest federation's FedAvg exact.
+    ``window`` and ``dwell`` make the regrouping band robust to timing noise
+    (`services.federation.band`); 1 and 1, the defaults here, are Algorithm 1 as published.
     """
 
     name: ClassVar[str]
@@ -79,9 +83,14 @@ class Strategy(ABC):
         rt_fraction: float = 0.5,
         latency_weight: float = 1.0,
         robust: RobustAggregation | None = None,
+        window: int = 1,
+        dwell: int = 1,
     ) -> None:
         if groups < 1 or not 0.0 < alpha <= 1.0:
             raise ConfigError(f"need groups >= 1 and alpha in (0, 1], got {groups} and {alpha}")
+        check_band(window, dwell)
+        self.window = window
+        self.dwell = dwell
         self.groups = groups
         self.alpha = alpha
         self.staleness: StalenessKind = staleness
@@ -107,6 +116,8 @@ class Strategy(ABC):
             histograms=tuple(tuple(float(c) for c in h) for h in histograms),
             rt_fraction=self.rt_fraction,
             latency_weight=self.latency_weight,
+            window=self.window,
+            dwell=self.dwell,
         )
 
     def screen(
@@ -151,9 +162,7 @@ class Strategy(ABC):
 
     def observe(self, state: GroupState, home: int, latency: float) -> Regrouped:
         """Record a measured latency; static strategies never regroup."""
-        lats = list(state.latencies)
-        lats[home] = latency
-        return Regrouped(replace(state, latencies=tuple(lats)), "stay", state.group_of(home))
+        return Regrouped(record(state, home, latency), "stay", state.group_of(home))
 
 
 class FedAvg(Strategy):
@@ -248,6 +257,8 @@ def make_strategy(
     rt_fraction: float = 0.5,
     latency_weight: float = 1.0,
     robust: RobustAggregation | None = None,
+    window: int = 1,
+    dwell: int = 1,
 ) -> Strategy:
     """Build a strategy by name (see `STRATEGIES`).
 
@@ -261,7 +272,9 @@ def make_strategy(
         raise ConfigError(
             f"unknown strategy {name!r}: expected one of {', '.join(sorted(STRATEGIES))}"
         ) from None
-    return cls(groups, alpha, staleness, exponent, rt_fraction, latency_weight, robust)
+    return cls(
+        groups, alpha, staleness, exponent, rt_fraction, latency_weight, robust, window, dwell
+    )
 
 
 def strategy_for(spec: FederationSpec) -> Strategy:
@@ -275,4 +288,6 @@ def strategy_for(spec: FederationSpec) -> Strategy:
         spec.rt_fraction,
         spec.latency_weight,
         spec.aggregation,
+        spec.latency_window,
+        spec.regroup_dwell,
     )

@@ -53,6 +53,12 @@ class Profile(BaseModel):
     memory_budget: int = Field(0, ge=0, description="Bytes the device may use (0: unknown).")
     layers: list[LayerProfile] = Field(min_length=1)
     created: float = 0.0
+    split_gain: float | None = Field(
+        None,
+        ge=-1,
+        description="Measured gain of Duan & Wu's split on this device: a forward+backward "
+        "pair in turn over the pair on two lanes, minus one (None: not measured).",
+    )
 
     @model_validator(mode="after")
     def _shapes(self) -> Profile:

@@ -20,6 +20,12 @@ stage-order swaps accepted while they lower Algorithm 1's bound).
 
 The plan carries each device's beta as its allocation's `forward_share`, so
 the workers run the split and the simulator scores the plan as they run it.
+The model's premise (a share of the device runs a phase proportionally
+faster) fails where the device does not really divide: on one core the two
+lanes time-slice. So a device is split only where its profile carries a
+measured gain of the split (`Profile.split_gain`, from
+`services.worker.split_gain`) above `SPLIT_MARGIN`; elsewhere it runs one
+task at a time, and `split_reasons` says why for each device.
 """
 
 from __future__ import annotations
@@ -41,10 +47,23 @@ from services.planner.base import (
     stage,
 )
 from services.planner.cost import CostModel
+from services.planner.duanwu_split import (
+    BETA_RANGE,
+    SPLIT_MARGIN,
+    betas,
+    clip_beta,
+    log_split,
+    optimal_beta,
+    split_peaks,
+    split_reasons,
+    split_specs,
+    split_time,
+)
 from services.planner.simulator import SimResult, simulate
 
 __all__ = [
     "BETA_RANGE",
+    "SPLIT_MARGIN",
     "DuanWuPlanner",
     "Grouping",
     "Partition",
@@ -57,40 +76,13 @@ __all__ = [
     "initial_grouping",
     "optimal_beta",
     "split_peaks",
+    "split_reasons",
     "split_specs",
     "split_time",
 ]
 
 INF = float("inf")
 _REL_TOL = 1e-9  # binary search stops when the bracket is this small, relative
-# The forward share a plan may give: a lane with almost nothing of the device
-# would turn a stray sample or a profiling error into an endless task.
-BETA_RANGE = (0.05, 0.95)
-
-
-def optimal_beta(forward_s: float, backward_s: float) -> float:
-    """Forward's share of the device that makes concurrent forward and backward equally long.
-
-    Theorem 1 with c = F / B: beta = c / (c + 1) = F / (F + B); the stage then
-    takes `split_time(F, B, beta)` = F + B. A device with no work splits evenly.
-    """
-    if forward_s < 0 or backward_s < 0:
-        raise ValueError(f"phase times must be >= 0, got F={forward_s}, B={backward_s}")
-    whole = forward_s + backward_s
-    return 0.5 if whole == 0 else forward_s / whole
-
-
-def clip_beta(beta: float) -> float:
-    """`beta` held inside `BETA_RANGE`, the forward share a plan may carry."""
-    lo, hi = BETA_RANGE
-    return min(max(beta, lo), hi)
-
-
-def split_time(forward_s: float, backward_s: float, beta: float) -> float:
-    """Longer of forward on a `beta` share and backward on the rest (the paper's f and g)."""
-    fwd = 0.0 if forward_s == 0 else (INF if beta <= 0 else forward_s / beta)
-    bwd = 0.0 if backward_s == 0 else (INF if beta >= 1 else backward_s / (1 - beta))
-    return max(fwd, bwd)
 
 
 def _device_time(cost: CostModel, device: str, lo: int, hi: int, samples: int) -> float:
@@ -490,60 +482,6 @@ def _specs(
     return specs
 
 
-def split_specs(cost: CostModel, plan: Plan) -> list[StageSpec]:
-    """`plan`'s stages with each device's clipped optimal beta as its forward share.
-
-    A device whose budget cannot hold the micro-batch the overlap adds (see
-    `split_peaks`) keeps forward_share None and runs one task at a time, so
-    the split never makes a plan that fitted overflow.
-    """
-    betas = DuanWuPlanner.betas(cost, plan)
-    budget = {d.name: d.memory_bytes for d in cost.cluster.devices}
-    peaks = split_peaks(cost, plan, split=True)
-    return [
-        spec.model_copy(
-            update={
-                "devices": [
-                    a.model_copy(
-                        update={
-                            "forward_share": clip_beta(betas[a.device])
-                            if peaks[a.device] <= budget[a.device]
-                            else None
-                        }
-                    )
-                    for a in spec.devices
-                ]
-            }
-        )
-        for spec in plan.stages
-    ]
-
-
-def split_peaks(cost: CostModel, plan: Plan, split: bool | None = None) -> dict[str, int]:
-    """Predicted peak bytes per device when the splitting devices overlap their pair.
-
-    `CostModel.plan_memory` counts K_p micro-batches in flight; a device that
-    runs a forward beside a backward holds one more while they overlap (capped
-    at M: there are no more). `split` None counts the extra micro-batch for the
-    devices whose allocation has a forward share, True for every device.
-    """
-    base = cost.plan_memory(plan)
-    reserved = cost.reserved(plan)
-    out: dict[str, int] = {}
-    for s, spec in enumerate(plan.stages):
-        k = plan.warmup(s)
-        ranges = plan.ranges(s)
-        for a in spec.devices:
-            lo, hi = ranges[a.device]
-            if split or (split is None and a.forward_share is not None):
-                k_split = min(k + 1, plan.microbatches)
-                need = cost.memory(spec.start, spec.end, hi - lo, k_split)
-                out[a.device] = need + reserved[a.device]
-            else:
-                out[a.device] = base[a.device]
-    return out
-
-
 def _round(plan: Plan, cost: CostModel) -> SimResult | None:
     """The simulated round of `plan`, or None when the runtime could not finish it."""
     try:
@@ -576,7 +514,9 @@ class DuanWuPlanner(Planner):
     Algorithm 2 and partitioned by Algorithm 1; each candidate's devices get
     their optimal split beta (`betas`, clipped to `BETA_RANGE`) as the
     allocation's `forward_share`, which the workers run as concurrent forward
-    and backward lanes (`common.schedule.next_pair`). Each candidate is also
+    and backward lanes (`common.schedule.next_pair`), but only on the devices
+    whose measured split gain says the device really divides (`split_reasons`;
+    each device's reason is logged with the plan). Each candidate is also
     kept unsplit: under the workers' rules (K_p, a pair ends when both halves
     have) the split often loses to plain 1F1B, so the simulator decides. The
     candidates are tried in the order of their simulated round and the first
@@ -604,7 +544,8 @@ class DuanWuPlanner(Planner):
             fitted = fit_backups(cost, raw)
             fitted = raw if fitted is None else fitted
             split = fitted.model_copy(update={"stages": split_specs(cost, fitted)})
-            for variant in (split, fitted):  # the split only where the simulator says it pays
+            variants = (split, fitted) if split != fitted else (fitted,)
+            for variant in variants:  # the split only where the simulator says it pays
                 res = _round(variant, cost)
                 candidates.append((INF if res is None else res.round_s, list(variant.stages)))
         failures: list[str] = []
@@ -615,6 +556,7 @@ class DuanWuPlanner(Planner):
                 failures.extend(exc.violations)
                 continue
             res = simulate(plan, cost)
+            log_split(cost, plan)
             return plan.model_copy(
                 update={
                     "predicted_round_s": res.round_s,
@@ -632,10 +574,4 @@ class DuanWuPlanner(Planner):
     @staticmethod
     def betas(cost: CostModel, plan: Plan) -> dict[str, float]:
         """Each device's optimal forward share for its stage and samples in `plan` (unclipped)."""
-        out: dict[str, float] = {}
-        for s, spec in enumerate(plan.stages):
-            for d, (lo, hi) in plan.ranges(s).items():
-                f = cost.compute(d, spec.start, spec.end, hi - lo, "F")
-                b = cost.compute(d, spec.start, spec.end, hi - lo, "B")
-                out[d] = optimal_beta(f, b)
-        return out
+        return betas(cost, plan)

@@ -13,9 +13,12 @@ import random
 import pytest
 
 from common.plan import Plan
+from common.profile import ClusterSpec, DeviceSpec, Profile
+from services.planner.base import stage
 from services.planner.cost import CostModel
 from services.planner.duanwu import (
     BETA_RANGE,
+    SPLIT_MARGIN,
     DuanWuPlanner,
     StageTerms,
     algorithm1,
@@ -26,12 +29,20 @@ from services.planner.duanwu import (
     initial_grouping,
     optimal_beta,
     split_peaks,
+    split_reasons,
     split_specs,
     split_time,
 )
+from services.planner.duanwu_split import split_devices
 from services.planner.registry import get_planner
 from services.planner.simulator import simulate
 from tests.planner.fixtures import MiB, hetero_cost, layered_profile
+
+
+def measured(prof: Profile, gain: float | None) -> Profile:
+    """`prof` as measured on a device where the split gained `gain` (None: not measured)."""
+    return prof.model_copy(update={"split_gain": gain})
+
 
 F = 2.0**-10  # forward seconds per layer and sample; backward is 2F (layered_profile)
 
@@ -326,7 +337,7 @@ def test_the_plan_splits_by_the_clipped_beta_only_where_the_simulator_says_it_pa
 def test_beta_is_clipped_into_its_open_interval() -> None:
     # backward 39 times the forward: beta = 1/40, below the 0.05 floor
     prof = layered_profile([F] * 2, [0, 0], [8, 8], [8, 8], backward_s=[39 * F] * 2)
-    cost = hetero_cost([("a", 1.0, 1 << 30)], prof)
+    cost = hetero_cost([("a", 1.0, 1 << 30)], measured(prof, 0.1))
     plan = get_planner("duanwu").plan(cost, 4, 2)
     assert DuanWuPlanner.betas(cost, plan)["a"] == pytest.approx(1 / 40)
     (spec,) = split_specs(cost, plan)
@@ -341,7 +352,7 @@ def test_a_device_without_room_for_the_overlaps_micro_batch_runs_one_task_at_a_t
     # 20-byte replica: 74, full; a fourth micro-batch would take 82. The second (K = 1,
     # 38 bytes and the first's replica) has room for its second: 38 + 8 + 20 = 66.
     prof = layered_profile([F] * 2, [0, 0], [2, 2], [10, 10])
-    cost = hetero_cost([("a", 1.0, 74), ("b", 1.0, 74)], prof, bandwidth=100.0)
+    cost = hetero_cost([("a", 1.0, 74), ("b", 1.0, 74)], measured(prof, 0.1), bandwidth=100.0)
     plan = get_planner("duanwu").plan(cost, 16, 4)
     assert [(s.start, s.end) for s in plan.stages] == [(0, 1), (1, 2)]
     plan = plan.model_copy(update={"stages": split_specs(cost, plan)})
@@ -350,3 +361,58 @@ def test_a_device_without_room_for_the_overlaps_micro_batch_runs_one_task_at_a_t
     assert second.forward_share == clip_beta(DuanWuPlanner.betas(cost, plan)[second.device])
     assert split_peaks(cost, plan) == {first.device: 74, second.device: 66}
     assert simulate(plan, cost).max_alive == {first.device: 3, second.device: 2}
+
+
+def _two_device_cost(gains: dict[str, float | None]) -> CostModel:
+    """Two devices of one speed, each with its own profile carrying its measured split gain."""
+    prof = layered_profile([F] * 4, [0] * 4, [8] * 4, [8] * 4, backward_s=[2 * F] * 4)
+    cluster = ClusterSpec(
+        devices=[DeviceSpec(name=d, memory_bytes=1 << 30, profile=d) for d in gains],
+        bandwidth=12.5e6,
+    )
+    return CostModel({d: measured(prof, g) for d, g in gains.items()}, cluster)
+
+
+def _two_stage_plan(cost: CostModel) -> Plan:
+    part = algorithm1(StageTerms(cost, (("a",), ("b",)), 4, 4))
+    assert part is not None
+    stages = [stage(lo, hi, [d], [1]) for (lo, hi), d in zip(part.ranges, "ab", strict=True)]
+    return Plan(stages=stages, global_batch=16, microbatches=4)
+
+
+@pytest.mark.parametrize("gain", [None, -0.2, 0.0, SPLIT_MARGIN])
+def test_a_device_whose_measured_pair_is_no_faster_is_not_split(gain: float | None) -> None:
+    cost = _two_device_cost({"a": 0.3, "b": gain})
+    plan = _two_stage_plan(cost)
+    why = split_reasons(cost, plan)
+    assert why["a"] is None
+    assert why["b"] is not None
+    assert ("not measured" if gain is None else f"{gain:+.1%}") in why["b"]
+    shares = split_devices(plan.model_copy(update={"stages": split_specs(cost, plan)}))
+    assert shares["b"] is None
+    # the planner never splits it either, whatever the simulator prefers for the other
+    chosen = get_planner("duanwu").plan(cost, 16, 4)
+    assert all(a.forward_share is None for s in chosen.stages for a in s.devices if a.device == "b")
+
+
+def test_a_device_with_a_measured_gain_is_split_with_the_models_beta() -> None:
+    cost = _two_device_cost({"a": 0.15, "b": SPLIT_MARGIN + 0.01})
+    plan = _two_stage_plan(cost)
+    assert split_reasons(cost, plan) == {"a": None, "b": None}
+    split = plan.model_copy(update={"stages": split_specs(cost, plan)})
+    betas = DuanWuPlanner.betas(cost, plan)
+    for d, share in split_devices(split).items():
+        f = sum(
+            cost.compute(d, s.start, s.end, 4, "F") for s in plan.stages if s.devices[0].device == d
+        )
+        b = sum(
+            cost.compute(d, s.start, s.end, 4, "B") for s in plan.stages if s.devices[0].device == d
+        )
+        assert share == clip_beta(betas[d]) == pytest.approx(f / (f + b))
+        assert share == pytest.approx(1 / 3)  # backward twice the forward: F / (F + 2F)
+
+
+def test_no_device_with_a_measured_gain_means_the_planner_never_splits() -> None:
+    cost = _two_device_cost({"a": None, "b": -0.05})
+    plan = get_planner("duanwu").plan(cost, 16, 4)
+    assert set(split_devices(plan).values()) == {None}

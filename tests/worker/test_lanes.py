@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from services.worker.lanes import SplitLanes, split_threads
+from services.worker.lanes import SplitLanes, bound_to, lane_cores, split_threads
 
 
 @pytest.mark.parametrize(
@@ -22,7 +23,7 @@ def test_threads_are_split_by_beta_with_at_least_one_each(beta, threads, want):
 
 @pytest.fixture
 def lanes():
-    lanes = SplitLanes(0.25, threads=4)
+    lanes = SplitLanes(0.25, threads=4, cores={0})  # one core: nothing to pin
     yield lanes
     lanes.close()
 
@@ -88,7 +89,91 @@ def test_a_pair_computes_bitwise_what_the_two_tasks_compute_in_turn():
     net.zero_grad()
     loss = net(x1).square().sum()
     got: dict[str, torch.Tensor] = {}
-    lanes = SplitLanes(0.5, threads=2)
+    lanes = SplitLanes(0.5, threads=2, cores={0})
+    try:
+        lanes.run(lambda: got.setdefault("out", net(x2).detach()), loss.backward)
+    finally:
+        lanes.close()
+    assert torch.equal(got["out"], want_out)
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), want_grads, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("beta", "cores", "want"),
+    [
+        (0.5, {0}, None),
+        (0.5, {0, 1}, ({0}, {1})),
+        (0.3, {4, 5, 6, 7}, ({4}, {5, 6, 7})),
+        (0.7, {0, 1, 2, 3}, ({0, 1, 2}, {3})),
+        (0.99, {2, 3}, ({2}, {3})),
+    ],
+)
+def test_cores_are_split_by_beta_and_disjoint(beta, cores, want):
+    got = lane_cores(beta, cores)
+    assert got == (None if want is None else tuple(frozenset(c) for c in want))
+
+
+two_cores = pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="pinning needs two cores this process may run on",
+)
+
+
+@two_cores
+def test_on_two_cores_each_lane_runs_on_its_own_core_with_one_thread_per_core():
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    met = threading.Barrier(2, timeout=10)
+    seen: dict[str, tuple[set[int], int]] = {}
+
+    def lane(name: str) -> None:
+        met.wait()  # both at once, each already on its cores
+        seen[name] = (os.sched_getaffinity(0), torch.get_num_threads())
+
+    before = os.sched_getaffinity(0)
+    lanes = SplitLanes(0.5, threads=8, cores=cores)
+    try:
+        assert lanes.pinned
+        lanes.run(lambda: lane("forward"), lambda: lane("backward"))
+    finally:
+        lanes.close()
+    assert seen == {"forward": ({cores[0]}, 1), "backward": ({cores[1]}, 1)}
+    assert os.sched_getaffinity(0) == before  # the caller gets all its cores back
+
+
+@two_cores
+def test_unpinned_lanes_keep_the_callers_cores():
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    seen: dict[str, set[int]] = {}
+    with bound_to(cores):
+        lanes = SplitLanes(0.5, threads=2, cores=cores, pin=False)
+        try:
+            assert not lanes.pinned
+            lanes.run(
+                lambda: seen.setdefault("forward", os.sched_getaffinity(0)),
+                lambda: seen.setdefault("backward", os.sched_getaffinity(0)),
+            )
+        finally:
+            lanes.close()
+    assert seen == {"forward": set(cores), "backward": set(cores)}
+
+
+@two_cores
+def test_a_pinned_pair_computes_bitwise_what_the_two_tasks_compute_in_turn():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    x1, x2 = torch.randn(16, 64), torch.randn(16, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        net.zero_grad()
+        net(x1).square().sum().backward()
+        want_out, want_grads = net(x2).detach(), [p.grad.clone() for p in net.parameters()]
+    finally:
+        torch.set_num_threads(before)
+    net.zero_grad()
+    loss = net(x1).square().sum()
+    got: dict[str, torch.Tensor] = {}
+    lanes = SplitLanes(0.5, cores=sorted(os.sched_getaffinity(0))[:2])
     try:
         lanes.run(lambda: got.setdefault("out", net(x2).detach()), loss.backward)
     finally:

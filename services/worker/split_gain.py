@@ -1,0 +1,133 @@
+"""What Duan & Wu's split actually gains on this device: a pair on two lanes vs in turn.
+
+The planner's model of the split (a phase on a share s of the device takes
+its whole-device time over s, `services.planner.duanwu`) holds only where the
+device really divides: on one core the two lanes time-slice and the pair is
+no shorter, and on two cores it depends on how well each operator used both.
+So the gain is measured, not assumed: the forward of one micro-batch and the
+backward of another, first one after the other on all of the device's cores
+(the intra-op threads spread over them), then at once on `SplitLanes` (each
+lane pinned to its share of the cores where there are two or more). The
+gain is in-turn time over split time, minus one: > 0 where the split pays.
+The planner splits a device only where this was measured above its margin.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from common.errors import ConfigError
+from common.profile import Profile
+from services.worker.lanes import SplitLanes, bound_to, device_cores
+
+__all__ = ["SplitGain", "measure_split_gain", "with_split_gain"]
+
+
+@dataclass(frozen=True)
+class SplitGain:
+    """One measurement: phase times, pair times (medians, seconds), the beta and cores used."""
+
+    forward_s: float
+    backward_s: float
+    in_turn_s: float
+    split_s: float
+    beta: float
+    cores: int
+    pinned: bool
+
+    @property
+    def gain(self) -> float:
+        """In-turn over split, minus one: 0.05 is a pair 1 / 1.05 as long on the lanes."""
+        return self.in_turn_s / self.split_s - 1.0 if self.split_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        """The fields and the gain, for results files."""
+        return {**asdict(self), "gain": self.gain}
+
+
+def _median_time(run: Callable[[], object], prepare: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `run` over `repeats`, `prepare` (untimed) before each."""
+    out = []
+    for _ in range(repeats):
+        prepare()
+        t0 = time.perf_counter()
+        run()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def measure_split_gain(
+    module: nn.Module,
+    inputs: torch.Tensor,
+    beta: float | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    cores: Collection[int] | None = None,
+) -> SplitGain:
+    """Time a forward+backward pair of `module` on `inputs` in turn and on two lanes.
+
+    In turn runs with one intra-op thread per core (all of `cores`, default
+    this process's affinity); the split runs on `SplitLanes(beta, cores=...)`.
+    `beta` None takes Theorem 1's F / (F + B) from the phases measured alone.
+    The caller's thread count is restored.
+
+    Raises:
+        ConfigError: Fewer than one repetition, or a negative warmup.
+
+    """
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    have = frozenset(cores) if cores is not None else device_cores() or frozenset({0})
+    x = inputs.detach().requires_grad_(inputs.is_floating_point())
+    pending: list[torch.Tensor] = []
+
+    def prepare() -> None:
+        module.zero_grad(set_to_none=True)
+        pending[:] = [module(x).float().square().mean()]
+
+    def forward() -> None:
+        module(x)  # with its graph, as a stage's forward keeps it for the backward
+
+    def backward() -> None:
+        torch.autograd.backward(pending.pop())
+
+    def pair() -> None:
+        forward()
+        backward()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(len(have))
+    try:
+        # this thread (and the lane thread it starts, which inherits its mask) on
+        # exactly `cores`: one core is then really one core, whatever the machine has
+        with bound_to(have):
+            for _ in range(warmup):
+                prepare()
+                forward()
+                backward()
+            f = _median_time(forward, lambda: None, repeats)
+            b = _median_time(backward, prepare, repeats)
+            share = (0.5 if f + b <= 0 else f / (f + b)) if beta is None else beta
+            in_turn = _median_time(pair, prepare, repeats)
+            lanes = SplitLanes(share, cores=have)
+            try:
+                for _ in range(warmup):
+                    prepare()
+                    lanes.run(forward, backward)
+                split = _median_time(lambda: lanes.run(forward, backward), prepare, repeats)
+            finally:
+                lanes.close()
+    finally:
+        torch.set_num_threads(before)
+    return SplitGain(f, b, in_turn, split, share, len(have), lanes.pinned)
+
+
+def with_split_gain(profile: Profile, gain: float) -> Profile:
+    """`profile` carrying the device's measured split gain (what the planner reads)."""
+    return profile.model_copy(update={"split_gain": gain})

@@ -252,7 +252,7 @@ class Testbed:
             )
             cg = DeviceCgroup(self.tag, d.name)
             self._cgroups[d.name] = cg
-            cg.create(d.cpu, d.memory_bytes)
+            cg.create(d.cpu, d.memory_bytes, cpus=d.cpus)
             self._check_stop()
 
     def _check_stop(self) -> None:

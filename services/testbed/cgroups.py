@@ -13,6 +13,14 @@ OOM, ``freezer.state``) and v2 (``cpu.max``, ``memory.max`` with
 ``memory.swap.max`` 0, ``cgroup.freeze``). The groups go below this process's
 own cgroup when it may create children there (outer limits keep binding), else
 at the root of the hierarchy. ``root`` exists for tests on a fake tree.
+
+A device may also be given cores of its own (``cpus``, e.g. "0-1"): a group in
+the cpuset hierarchy, made only for such devices, so the worker's affinity
+is those cores and Duan & Wu's lanes can each be pinned to one of them
+(`services.worker.lanes`). On v1 every cpuset level starts empty and refuses
+processes, so the levels above the device get their parent's cores and memory
+nodes, the device its own cores, and its leaves the device's; on v2 the
+controller is handed down and the device's ``cpuset.cpus`` set.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ __all__ = [
     "DeviceCgroup",
     "Hierarchy",
     "cpu_period_quota",
+    "cpuset_hierarchy",
     "find_testbed_groups",
     "hierarchies",
     "remove_trees",
@@ -132,6 +141,25 @@ def hierarchies(root: Path = Path("/")) -> dict[str, Hierarchy]:
     return out
 
 
+def cpuset_hierarchy(root: Path = Path("/")) -> Hierarchy | None:
+    """The cpuset controller's hierarchy (a v1 mount wins over v2), None where it has none."""
+    base = root / "sys/fs/cgroup"
+    v2_path, v1_paths = _own_paths(root)
+    with contextlib.suppress(OSError):
+        for d in sorted(base.iterdir()):
+            if (
+                d.is_dir()
+                and "cpuset" in d.name.split(",")
+                and not (d / "cgroup.controllers").exists()
+            ):
+                return Hierarchy("cpuset", 1, d, d / v1_paths.get("cpuset", "/").lstrip("/"))
+    for cand in (base, base / "unified"):
+        with contextlib.suppress(OSError):
+            if "cpuset" in (cand / "cgroup.controllers").read_text().split():
+                return Hierarchy("cpuset", 2, cand, cand / v2_path.lstrip("/"))
+    return None
+
+
 def cpu_period_quota(cpu: float) -> tuple[int, int]:
     """CFS (period, quota) in microseconds giving `cpu` cores.
 
@@ -158,6 +186,11 @@ def _read(path: Path) -> str:
         return path.read_text()
     except OSError as exc:
         raise CgroupError(f"cannot read {path}: {exc}") from exc
+
+
+def _read_or_empty(path: Path) -> str:
+    """The file's stripped text, "" where it does not exist (yet)."""
+    return _read(path).strip() if path.exists() else ""
 
 
 def _read_int(path: Path) -> int:
@@ -232,20 +265,47 @@ class DeviceCgroup:
         """Name the groups; `bases` says where an existing testbed's `PARENT` is, per controller."""
         self.tag, self.device = tag, device
         self.h = hierarchies(root)
+        self.cpuset_h = cpuset_hierarchy(root)
         self._bases: dict[str, Path] = dict(bases or {})
 
     def base(self, controller: str) -> Path:
         """The group below which `PARENT` lives in `controller`'s hierarchy."""
         if controller not in self._bases:
-            self._bases[controller] = _base(self.h[controller])
+            h = self.cpuset_h if controller == "cpuset" else self.h[controller]
+            if h is None:
+                raise CgroupError("this machine has no cpuset controller: no cores per device")
+            self._bases[controller] = _base(h)
         return self._bases[controller]
+
+    def cpuset_group(self) -> Path | None:
+        """The device's cpuset group where one exists (devices given cores), found, not made."""
+        h = self.cpuset_h
+        if h is None:
+            return None
+        cands = [self._bases["cpuset"]] if "cpuset" in self._bases else [h.own, h.mount]
+        for cand in cands:
+            g = cand / PARENT / self.tag / self.device
+            if g.is_dir():
+                return g
+        return None
+
+    def _groups(self) -> list[Path]:
+        """The device's group in every hierarchy it uses (the cpuset one where it has cores)."""
+        got = self.cpuset_group()
+        return [self.group(c) for c in self.h] + ([got] if got is not None else [])
 
     def group(self, controller: str) -> Path:
         """The device's directory in `controller`'s hierarchy (created by `create`)."""
         return self.base(controller) / PARENT / self.tag / self.device
 
-    def create(self, cpu: float, memory_bytes: int, roles: tuple[str, ...] = ROLES) -> None:
-        """Make the groups and set the quota and the per-leaf memory limit."""
+    def create(
+        self,
+        cpu: float,
+        memory_bytes: int,
+        roles: tuple[str, ...] = ROLES,
+        cpus: str | None = None,
+    ) -> None:
+        """Make the groups and set the quota, the per-leaf memory limit and the cores (`cpus`)."""
         done: set[Path] = set()
         for controller, h in self.h.items():
             g = self.group(controller)
@@ -262,6 +322,42 @@ class DeviceCgroup:
         self.set_cpu(cpu)
         for role in roles:
             self._limit_memory(self.group("memory") / role, memory_bytes)
+        if cpus is not None:
+            self._create_cpuset(cpus, roles)
+
+    def _create_cpuset(self, cpus: str, roles: tuple[str, ...]) -> None:
+        """The device's cpuset group on cores `cpus` (a kernel list such as "0-1")."""
+        h = self.cpuset_h
+        base = self.base("cpuset")
+        assert h is not None  # base() raised otherwise
+        g = base / PARENT / self.tag / self.device
+        if h.version == 2:
+            d = base
+            for part in (PARENT, self.tag, self.device):
+                _write(d / "cgroup.subtree_control", "+cpuset")
+                d = d / part
+                d.mkdir(exist_ok=True)
+            _write(g / "cpuset.cpus", cpus)
+            for role in roles:
+                (g / role).mkdir(exist_ok=True)
+            return
+        parent = base
+        for d in (base / PARENT, base / PARENT / self.tag, g, *(g / r for r in roles)):
+            try:
+                d.mkdir(exist_ok=True)
+            except OSError as exc:
+                raise CgroupError(f"cannot create cgroup {d}: {exc}") from exc
+            mine = cpus if d == g else _read(parent / "cpuset.cpus").strip()
+            if d == g or not _read_or_empty(d / "cpuset.cpus"):
+                _write(d / "cpuset.cpus", mine)
+            if not _read_or_empty(d / "cpuset.mems"):
+                _write(d / "cpuset.mems", _read(parent / "cpuset.mems").strip())
+            parent = d
+
+    def cpus(self) -> str | None:
+        """The device's cores as the kernel lists them, None where it has no cores of its own."""
+        g = self.cpuset_group()
+        return None if g is None else _read(g / "cpuset.cpus").strip() or None
 
     def _limit_memory(self, leaf: Path, limit: int) -> None:
         if self.h["memory"].version == 2:
@@ -311,7 +407,7 @@ class DeviceCgroup:
 
     def procs_files(self, role: str) -> list[Path]:
         """The files a process writes its pid to, one per hierarchy, to join leaf `role`."""
-        return sorted({self.group(c) / role / "cgroup.procs" for c in self.h})
+        return sorted({g / role / "cgroup.procs" for g in self._groups()})
 
     def attach(self, pid: int, role: str = "worker") -> None:
         """Move process `pid` (all its threads) into leaf `role` in every hierarchy."""
@@ -321,8 +417,7 @@ class DeviceCgroup:
     def pids(self) -> list[int]:
         """Every process in the device, over all hierarchies and leaves."""
         found: set[int] = set()
-        for c in self.h:
-            g = self.group(c)
+        for g in self._groups():
             for d in (g, *(p for p in g.iterdir() if p.is_dir())) if g.is_dir() else ():
                 found.update(_pids(d))
         return sorted(found)
@@ -382,7 +477,7 @@ class DeviceCgroup:
 
     def remove(self, timeout_s: float = 10.0) -> None:
         """Kill what is left inside, then remove the groups (and the testbed's, once empty)."""
-        groups = [self.group(c) for c in self.h]
+        groups = self._groups()
         remove_trees(groups, timeout_s)
         for g in groups:
             for parent in (g.parent, g.parent.parent):
@@ -450,6 +545,9 @@ def find_testbed_groups(root: Path = Path("/"), max_depth: int = 4) -> list[Path
     found: list[Path] = []
     with contextlib.suppress(CgroupError):
         mounts = {h.mount for h in hierarchies(root).values()}
+        cpuset = cpuset_hierarchy(root)
+        if cpuset is not None:
+            mounts.add(cpuset.mount)
         for mount in sorted(mounts):
             level = [mount]
             for _ in range(max_depth):

@@ -64,6 +64,7 @@ __all__ = [
     "cluster_spec",
     "load_testbed",
     "parse_bytes",
+    "parse_cpus",
     "parse_rate",
     "preset",
 ]
@@ -125,6 +126,20 @@ def parse_rate(value: str | float) -> float:
     return float(m.group(1)) * 1000.0 ** _POWER[m.group(2).lower()]
 
 
+def parse_cpus(value: str) -> frozenset[int]:
+    """The cores of a kernel cpu list ("0-1,4"); ValueError for a reversed or empty range."""
+    out: set[int] = set()
+    for part in value.split(","):
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi or lo)
+        if b < a:
+            raise ValueError(f"cpu range {part!r} runs backwards")
+        out.update(range(a, b + 1))
+    if not out:
+        raise ValueError("no cores in the cpu list")
+    return frozenset(out)
+
+
 def parse_bytes(value: str | int) -> int:
     """Bytes from a number or text ("512MiB", "1GiB" are powers of 1024; "1GB" of 1000)."""
     if not isinstance(value, str):
@@ -149,10 +164,27 @@ class TestbedDevice(BaseModel):
     )
     kind: str = Field("", description="What it emulates, e.g. 'Jetson Nano' (informational).")
     cpu: float = Field(ge=0.01, le=256, description="CPU quota in cores, e.g. 0.3.")
+    cpus: str | None = Field(
+        None,
+        pattern=r"^\d{1,4}(-\d{1,4})?(,\d{1,4}(-\d{1,4})?){0,63}$",
+        description="Cores of its own (a cpuset, e.g. '0-1'); none: any of the machine's. "
+        "With two or more, Duan & Wu's forward and backward lanes each get their own.",
+    )
     memory_bytes: int = Field(ge=64 * MiB, description="Memory limit of each of its processes.")
     bandwidth_bps: float = Field(ge=1e4, le=1e11, description="Link rate, bits/s, each way.")
     latency_ms: float = Field(0.5, ge=0, le=10_000, description="One-way link latency.")
     loss_pct: float = Field(0.0, ge=0, le=100, description="Packets lost on the link, percent.")
+
+    @field_validator("cpus")
+    @classmethod
+    def _cores(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_cpus(v)
+        return v
+
+    def cores(self) -> frozenset[int] | None:
+        """The device's own cores, None where it has none."""
+        return None if self.cpus is None else parse_cpus(self.cpus)
 
     @field_validator("bandwidth_bps", mode="before")
     @classmethod
@@ -238,6 +270,19 @@ class TestbedSpec(BaseModel):
                 f"the devices' CPU quotas sum to {total:.2f} cores, more than this machine's "
                 f"{have:g}: they will slow each other down beyond their quotas"
             )
+        machine = os.sched_getaffinity(0) if cores is None else set(range(int(have)))
+        for d in self.devices:
+            mine = d.cores()
+            if mine is not None and not mine <= machine:
+                out.append(
+                    f"device {d.name} is given cores {sorted(mine - machine)} this machine "
+                    f"does not offer: its cgroup cannot be made"
+                )
+            elif mine is not None and d.cpu > len(mine):
+                out.append(
+                    f"device {d.name} has a {d.cpu:g}-core quota on {len(mine)} cores: "
+                    f"it can use at most {len(mine)}"
+                )
         small = [d.name for d in self.devices if d.memory_bytes < MEMORY_FLOOR]
         if small:
             out.append(

@@ -1,0 +1,173 @@
+"""bench_async's jobs and plans: what each compared run trains, on which stages.
+
+Every run of a part has the same plan, seed, data and optimizer; only the
+mode and the window (micro-batches per round) differ, so that a ratio of two
+runs is the mode's doing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MODEL: dict[str, Any] = {
+    "name": "fl_cnn",
+    "num_classes": 10,
+    "options": {"channels": 1, "size": 8, "width": 16, "hidden": 64},
+}
+LAYERS = 4
+"""fl_cnn's layers: conv block, conv block, hidden linear, classifier."""
+DATA: dict[str, Any] = {"kind": "digits", "homes": 1, "home": 0, "alpha": 1.0}
+LR = 0.1
+"""Plain SGD (no momentum) at this learning rate in every compared mode: sync takes one
+step of the window's mean gradient per round, async one step per micro-batch. In
+single-process replays (`tests.reference`) of this job async alone stays stable up to
+about this rate (at 0.2 it diverges, at 0.05 it learns more slowly)."""
+MICRO = 8
+WINDOWS = (4, 16, 64)
+"""Part 1's windows: micro-batches per round at the same micro-batch size."""
+ACC_WINDOW = 16
+"""Part 3's window: longer than K_0 = 2S - 1 = 7, so that forwards run on stale versions
+(with a window of K_0 or fewer micro-batches every forward of a window runs on its first
+version, and async is sync with the learning rate times M)."""
+SEED = 1
+TARGET = 0.9
+EVAL_EVERY = 5
+AGGREGATE_K0_MULTIPLE = 1
+"""aggregate_every = this times K_0 (FTPipeHD: a multiple of the concurrent versions);
+updates are counted per window, so it stays at most the window."""
+STAGE_DEVICES = ("nano-0", "tx2-0", "nano-1", "nano-2")
+"""Stage i (layer i) runs on STAGE_DEVICES[i]: the second conv block, by far the
+heaviest layer, on the fastest device."""
+
+HETERO_MODEL: dict[str, Any] = {
+    "name": "mlp",
+    "num_classes": 10,
+    "options": {"hidden": 256, "depth": 7},
+}
+"""Part 2's model: an mlp of eight layers (seven Linear+ReLU and the classifier),
+so that partition points have room to move between four stages."""
+HETERO_LAYERS = 8
+HETERO_DATA: dict[str, Any] = {"kind": "synthetic"}
+HETERO_WINDOW = 8
+HETERO_DEVICES = ("tx2-0", "nano-0", "nano-1", "nano-2")
+HETERO_CUT = 1 / 3
+"""The throttled device keeps this share of its CPU quota (a thermal throttle)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way of training a plan."""
+
+    name: str
+    mode: str
+    microbatches: int
+    aggregate_every: int = 0
+    lr_scale: int = 1
+
+    @property
+    def global_batch(self) -> int:
+        return MICRO * self.microbatches
+
+    @property
+    def lr(self) -> float:
+        return LR * self.lr_scale
+
+
+def k0(devices: int, microbatches: int) -> int:
+    """K_0: the first stage's warm-up forwards (Asteroid's 2S-1, never above M)."""
+    return max(1, min(2 * devices - 1, microbatches))
+
+
+def throughput_configs(windows: Sequence[int] = WINDOWS) -> list[Config]:
+    """Part 1's configurations: sync and async at each window."""
+    return [Config(f"{mode} M={m}", mode, m) for m in windows for mode in ("sync", "async")]
+
+
+def hetero_configs() -> list[Config]:
+    """Part 2's configurations: sync and async on the heterogeneous pipeline."""
+    return [Config(f"{mode} hetero", mode, HETERO_WINDOW) for mode in ("sync", "async")]
+
+
+def accuracy_configs(stages: int = LAYERS) -> list[Config]:
+    """Part 3's configurations over windows of `ACC_WINDOW` micro-batches: sync, async,
+    async with aggregation every `AGGREGATE_K0_MULTIPLE` K_0 updates, all at `LR`; then,
+    for reference only (not one of the compared curves), sync at M times `LR`: the step
+    that the window's M async updates add up to."""
+    agg = AGGREGATE_K0_MULTIPLE * k0(stages, ACC_WINDOW)
+    return [
+        Config("sync", "sync", ACC_WINDOW),
+        Config("async", "async", ACC_WINDOW),
+        Config("async+agg", "async", ACC_WINDOW, agg),
+        Config(f"sync, lr x{ACC_WINDOW}", "sync", ACC_WINDOW, lr_scale=ACC_WINDOW),
+    ]
+
+
+def plan_for(devices: Sequence[str], microbatches: int, layers: int = LAYERS) -> dict[str, Any]:
+    """One single-device stage per device, in `devices`' order, the layers split evenly
+    (one fl_cnn layer each with four devices)."""
+    if not 1 <= len(devices) <= layers:
+        raise ValueError(f"the model has {layers} layers: give 1 to {layers} devices")
+    cuts = [round(i * layers / len(devices)) for i in range(len(devices) + 1)]
+    return plan_of(devices, cuts, microbatches)
+
+
+def plan_of(devices: Sequence[str], cuts: Sequence[int], microbatches: int) -> dict[str, Any]:
+    """Stage i runs layers [cuts[i], cuts[i+1]) on devices[i] alone."""
+    return {
+        "global_batch": MICRO * microbatches,
+        "microbatches": microbatches,
+        "planner": "manual",
+        "stages": [
+            {"start": cuts[i], "end": cuts[i + 1], "devices": [{"device": d, "share": 1}]}
+            for i, d in enumerate(devices)
+        ],
+    }
+
+
+def hetero_cuts(layer_costs: Sequence[float], speeds: Mapping[str, float]) -> list[int]:
+    """Part 2's partition points: `HETERO_DEVICES` in order, layers balanced by their speeds.
+
+    The same split a re-partition makes (`survivors_plan`, by capacity), so that the
+    run starts on the plan the devices' profiles and quotas call for.
+    """
+    from common.ids import DeviceId
+    from common.plan import Plan
+    from services.coordinator.recovery import survivors_plan
+
+    even = Plan.model_validate(plan_for(HETERO_DEVICES, HETERO_WINDOW, HETERO_LAYERS))
+    by_device = {DeviceId(d): s for d, s in speeds.items()}
+    balanced = survivors_plan(even, set(), layer_costs, by_device)
+    return [balanced.stages[0].start, *(st.end for st in balanced.stages)]
+
+
+def job_for(
+    cfg: Config,
+    job_id: str,
+    rounds: int,
+    eval_every: int = 0,
+    *,
+    model: Mapping[str, Any] = MODEL,
+    data: Mapping[str, Any] = DATA,
+    adapt: bool = False,
+) -> dict[str, Any]:
+    """The job of one run: everything but the mode and the window is the same in a part."""
+    job: dict[str, Any] = {
+        "job_id": job_id,
+        "model": dict(model),
+        "dataset": dict(data),
+        "seed": SEED,
+        "rounds": rounds,
+        "global_batch": cfg.global_batch,
+        "micro_batch": MICRO,
+        "optimizer": {"kind": "sgd", "lr": cfg.lr, "momentum": 0.0},
+        "mode": cfg.mode,
+        "eval_every": eval_every,
+        "elastic": False,
+        "adapt": adapt,  # parts 1 and 3: the plan stays the one given
+        "replicate_every": 0,
+    }
+    if cfg.aggregate_every:
+        job["aggregate_every"] = cfg.aggregate_every
+    return job

@@ -88,7 +88,9 @@ class RoundEnd:
     """A round that ended: a group's (merged into the global model) or a probe's.
 
     ``group`` is the group's index, `Federation.WARMUP` for the first round of all
-    homes, None for a dropped home's probe.
+    homes, None for a dropped home's probe. ``latencies`` are the members' measured
+    ones in ``members``' order (a failed home's: the time waited for it), so that the
+    noise the regrouping band faces can be read from the record.
     """
 
     round_id: int
@@ -98,6 +100,7 @@ class RoundEnd:
     version: int
     regroups: tuple[Regroup, ...]
     screened: tuple[Screened, ...] = ()
+    latencies: tuple[float, ...] = ()
 
 
 @dataclass
@@ -352,9 +355,12 @@ class Federation:
         failed = tuple(h for h in rnd.members if h not in rnd.latencies)
         waited = max(now - rnd.started, 1e-9)
         latencies = {h: rnd.latencies.get(h, waited) for h in rnd.members}
+        measured = tuple(latencies[h] for h in rnd.members)
         if rnd.probe:
             probed = self._observe(latencies)
-            return RoundEnd(rnd.round_id, None, rnd.members, failed, self.version, probed)
+            return RoundEnd(
+                rnd.round_id, None, rnd.members, failed, self.version, probed, (), measured
+            )
         results = [rnd.results[h] for h in rnd.members if h in rnd.results]
         screened: tuple[Screened, ...] = ()
         if results and not self.done:  # after the last update, a late round changes nothing
@@ -371,7 +377,7 @@ class Federation:
         else:
             regroups = self._observe(latencies)
         return RoundEnd(
-            rnd.round_id, rnd.group, rnd.members, failed, self.version, regroups, screened
+            rnd.round_id, rnd.group, rnd.members, failed, self.version, regroups, screened, measured
         )
 
     def _observe(self, latencies: Mapping[int, float]) -> tuple[Regroup, ...]:

@@ -319,6 +319,7 @@ class FederationService:
                 "round_id": end.round_id,
                 "group": end.group,
                 "members": list(end.members),
+                "latencies": [round(lat, 4) for lat in end.latencies],
                 "failed": list(end.failed),
                 "regroups": [[r.home, r.action, r.group] for r in end.regroups],
                 "screened": [[e.home, e.action, e.reason] for e in end.screened],

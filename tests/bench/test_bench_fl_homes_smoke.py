@@ -6,22 +6,28 @@ from typing import Any
 
 import pytest
 
-from tests.bench.bench_fl_homes import (
-    ALPHAS,
-    STRATEGIES,
-    TARGETS,
-    RunResult,
+from tests.bench.bench_fl_homes import main, parse_args
+from tests.bench.fl_homes_report import (
     curve_of,
+    fastest,
     load,
-    main,
-    parse_args,
-    plan_runs,
+    regime,
     regroup_events,
+    round_latencies,
     row,
     save,
     table,
     time_to,
     write_outputs,
+)
+from tests.bench.fl_homes_setup import (
+    HOMES,
+    SPEED_RATIO,
+    STRATEGIES,
+    TARGETS,
+    RunResult,
+    federation_spec,
+    plan_runs,
 )
 
 
@@ -31,7 +37,16 @@ def _entries() -> list[dict[str, Any]]:
     versions = [0, 1, 2, 2, 3, 4, 5]
     regroups: list[list[list[Any]]] = [[], [], [[1, "drop", None]], [[1, "rejoin", 0]], [], [], []]
     return [
-        {"time_s": 3.0 * i, "version": v, "accuracy": a, "regroups": r, "failed": []}
+        {
+            "time_s": 3.0 * i,
+            "version": v,
+            "accuracy": a,
+            "regroups": r,
+            "failed": [],
+            "group": -1 if i == 1 else 0,
+            "members": [0, 1],
+            "latencies": [1.0 + i, 4.0 + 2 * i],
+        }
         for i, (v, a, r) in enumerate(zip(versions, accs, regroups, strict=True))
     ]
 
@@ -50,24 +65,38 @@ def _plain_first(entries: list[dict[str, Any]], target: float) -> float | None:
 
 def test_arguments_and_the_runs_they_plan() -> None:
     full = parse_args([])
-    assert full.out == Path("bench-results/fl-homes") and full.budget == 120.0
-    assert not full.quick and full.deadline == ""
+    assert full.out == Path("bench-results/fl-homes") and full.budget == 80.0
+    assert not full.quick and full.deadline == "" and full.alphas == (0.1,)
+    assert full.strategies == STRATEGIES
     quick = parse_args(["--quick", "--deadline", "13:45"])
-    assert quick.budget == 60.0 and quick.deadline == "13:45"
+    assert quick.budget == 40.0 and quick.deadline == "13:45"
+    assert quick.strategies == ("ecofl", "fedavg")
     assert parse_args(["--quick", "--budget", "30"]).budget == 30.0
-    with pytest.raises(SystemExit):
-        parse_args(["--budget", "0"])
-    runs = plan_runs(quick=False)
-    grid = [(r.strategy, r.alpha) for r in runs if not r.slowdown]
-    assert sorted(grid) == sorted((s, a) for s in STRATEGIES for a in ALPHAS)
-    assert [(r.strategy, r.slowdown) for r in runs if r.slowdown] == [
-        ("ecofl", True),
-        ("fedat", True),
+    both = parse_args(["--alphas", "0.1,0.5", "--strategies", "fedat,ecofl"])
+    assert both.alphas == (0.1, 0.5) and both.strategies == ("fedat", "ecofl")
+    for bad in (["--budget", "0"], ["--alphas", "x"], ["--alphas", "0"], ["--strategies", "sgd"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    runs = plan_runs(both.strategies, both.alphas)
+    assert [(r.strategy, r.alpha) for r in runs] == [
+        ("fedat", 0.1),
+        ("ecofl", 0.1),
+        ("fedat", 0.5),
+        ("ecofl", 0.5),
     ]
-    short = plan_runs(quick=True)
-    assert {r.strategy for r in short if not r.slowdown} == {"ecofl", "fedavg"}
-    assert {r.alpha for r in short} == {0.5}
-    assert len({r.label for r in runs}) == len(runs)
+    assert all(r.slowdown for r in runs) and len({r.label for r in runs}) == len(runs)
+
+
+def test_the_regime_is_eco_fls_and_every_strategy_gets_the_same_band() -> None:
+    cores = [c for h in HOMES for _, _, c in h.devices]
+    assert SPEED_RATIO == max(cores) / min(cores) >= 4
+    specs = [federation_spec(s, "digits", 10) for s in STRATEGIES]
+    band = {(s["rt_fraction"], s["latency_window"], s["regroup_dwell"]) for s in specs}
+    assert len(band) == 1 and {s["strategy"] for s in specs} == set(STRATEGIES)
+    from common.fl.spec import FederationSpec
+
+    for s in specs:
+        FederationSpec.model_validate(s)
 
 
 def test_curve_drops_probe_rounds_and_times_to_target_match_a_plain_scan() -> None:
@@ -79,6 +108,18 @@ def test_curve_drops_probe_rounds_and_times_to_target_match_a_plain_scan() -> No
         assert time_to(times, accs, target) == _plain_first(entries, target)
     assert time_to(times, accs, 0.95) is None
     assert regroup_events(entries) == [(6.0, 1, "drop", None), (9.0, 1, "rejoin", 0)]
+    lats = round_latencies(entries)
+    assert len(lats) == 2 * (len(entries) - 1) and (3.0, 0, 2.0) not in lats  # warm-up out
+    assert lats[:2] == [(0.0, 0, 1.0), (0.0, 1, 4.0)]
+
+
+def test_regime_measures_speed_ratio_and_noise_against_a_plain_computation() -> None:
+    lats = [(float(t), h, (1.0 + h) * (1.1 if t % 2 else 0.9)) for t in range(6) for h in range(5)]
+    lats.append((10.0, 0, 50.0))  # after the throttle: left out
+    got = regime(lats, 10.0)
+    assert got["ratio"] == pytest.approx(5.0) and got["fastest"] == pytest.approx(1.0)
+    assert got["noise"] == pytest.approx(0.1)
+    assert regime(lats[:3], None)["ratio"] is None  # a home without rounds
 
 
 def test_table_rows_from_a_fake_curve() -> None:
@@ -95,9 +136,14 @@ def test_table_rows_from_a_fake_curve() -> None:
     lines = table([r, RunResult("fedavg", 0.1, False, state="skipped")])
     assert len(lines) == 4
     assert lines[2] == (
-        "| ecofl | 0.5 | yes | 3 | 6 | 12 | 18 | 0.930 | 0.930 | 5 | 2 | 18 | budget |"
+        "| ecofl | 0.5 | yes | 3 | 6 | 12 | 18 | 0.930 | 0.930 | 5 | 2 | 18 | - | - | budget |"
     )
-    assert lines[3] == "| fedavg | 0.1 | no | - | - | - | - | - | - | 0 | 0 | - | skipped |"
+    assert lines[3] == (
+        "| fedavg | 0.1 | no | - | - | - | - | - | - | 0 | 0 | - | - | - | skipped |"
+    )
+    slow = RunResult("fedat", 0.5, True, times=[0.0, 20.0], accuracies=[0.1, 0.95])
+    never = RunResult("astraea", 0.5, True, times=[0.0], accuracies=[0.1])
+    assert fastest([never, slow, r], 0.5, 0.9) == ["ecofl", "fedat", "astraea"]
     assert all(line.count("|") == lines[0].count("|") for line in lines)
 
 
@@ -106,6 +152,7 @@ def test_outputs_and_replot_from_results_json(tmp_path: Path) -> None:
     r = RunResult("fedat", 0.5, True, slowed_at_s=9.0)
     r.times, r.accuracies, r.versions = curve_of(entries)
     r.regroups = regroup_events(entries)
+    r.latencies = round_latencies(entries)
     other = RunResult("fedavg", 0.1, False, times=[0.0, 4.0], accuracies=[0.1, 0.75])
     other.versions = [0, 1]
     header = {"command": "x", "wan": "20mbit", "budget": 60, "updates": 10}
@@ -113,6 +160,7 @@ def test_outputs_and_replot_from_results_json(tmp_path: Path) -> None:
     saved_header, runs = load(tmp_path)
     assert saved_header == header
     assert runs[0].regroups == r.regroups and runs[1].accuracies == [0.1, 0.75]
+    assert runs[0].latencies == r.latencies
     write_outputs(tmp_path, saved_header, runs)
     md = (tmp_path / "results.md").read_text()
     assert "| fedat | 0.5 | yes | 3 | 6 | 12 | 18 |" in md

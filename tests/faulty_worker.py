@@ -57,6 +57,10 @@ class Fault(enum.Enum):
     """The first time an assignment asks it to send layers to a peer (a migration in a
     recovery or a re-plan), it is SIGKILLed before it sends any: a source that dies while
     the recovery it serves is under way, its receivers waiting for its layers."""
+    SLOW_COMPUTE = "slow-compute"
+    """From round `--fault-round` on, each of its backwards takes `SLOW_COMPUTE_S` longer,
+    inside the backward's own timing: a device whose compute slowed down (the measured
+    speeds, not the waits, see it), on whatever stage it is assigned."""
     STALL_ALLREDUCE = "stall-allreduce"
     """In round `--fault-round`, its stage stops before its all-reduce (logging
     `STALL_EVENT`) until a new assignment or a shutdown, so that a test can kill
@@ -69,6 +73,8 @@ SLOW_S = 0.1
 SLOW_ROUND_S = 0.5
 """How much longer a slow-rounds worker's rounds take."""
 """How late a slow-data worker's data-plane messages leave."""
+SLOW_COMPUTE_S = 0.05
+"""How much longer a slow-compute worker's backwards take."""
 
 
 def _runner_class(fault: Fault, stage: int, fault_round: int) -> type[StageRunner]:
@@ -94,6 +100,8 @@ def _runner_class(fault: Fault, stage: int, fault_round: int) -> type[StageRunne
             super()._allreduce(round_no)
 
         def _backward(self, round_no: int, mb: int, x: torch.Tensor, out: torch.Tensor) -> None:
+            if fault is Fault.SLOW_COMPUTE and round_no >= fault_round:
+                time.sleep(SLOW_COMPUTE_S)
             if fault is not Fault.SKIP_GRADIENT or self.p != stage or mb != self.m - 1:
                 super()._backward(round_no, mb, x, out)
                 return

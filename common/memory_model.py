@@ -31,14 +31,17 @@ def stage_bytes(
     return 2 * param_bytes + optimizer_bytes + activation_bytes * samples * in_flight
 
 
-def stashed_copies(in_flight: int, k0: int, aggregate: bool) -> int:
-    """Weight copies a stage keeps in `mode: async` (`services.worker.stash`).
+def stashed_copies(k0: int, aggregate: bool) -> int:
+    """Weight copies a stage keeps in `mode: async` (`services.worker.stash`), at most.
 
-    One per version a micro-batch in flight runs on (at most `in_flight`), the
-    version the next forwards take, and with FTPipeHD's aggregation the last
-    `k0` updated versions it averages.
+    Vertical sync runs micro-batch g on the version the update of g - K_0
+    made, on every stage: after its update of g a stage still needs the
+    versions of g+1 .. g+K_0 (in flight or still to forward), K_0 of them,
+    whatever its own K_s; the new one is stashed before older ones are dropped
+    (one more), and with FTPipeHD's aggregation the last `k0` updated versions
+    it averages are kept too. The stream across windows changes none of this.
     """
-    return in_flight + 1 + (k0 if aggregate else 0)
+    return k0 + 1 + (k0 if aggregate else 0)
 
 
 def replica_bytes(param_bytes: int, optimizer_bytes: int) -> int:

@@ -161,16 +161,22 @@ def reference_train_async(
     *,
     aggregate_every: int = 0,
     dataset: dict[str, Any] | None = None,
+    drains: Sequence[int] = (0,),
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """`mode: async` on one process: delayed gradients in the first stage's 1F1B order.
 
-    Each window replays the first stage's textbook 1F1B (`k0` warm-up forwards,
-    then a backward and a forward in turn): a forward runs on the weight
-    version current at that moment, its backward gives the gradient of that
-    version, and the update goes to the current weights; every
-    `aggregate_every` updates the weights become the mean of the last `k0`
-    updated versions. `k0` may differ per window (a re-plan after a recovery
-    changes the pipeline's depth). Returns the final weights and each window's loss.
+    The pipeline does not drain between windows: from each drain point (the
+    rounds in `drains`: the job's start, a recovery's or a resume's round) to
+    the next, the micro-batches of all its windows form one stream, and the
+    first stage's textbook 1F1B over that stream (`k0` warm-up forwards, then
+    a backward and a forward in turn) fixes the order: a forward runs on the
+    weight version current at that moment, its backward gives the gradient of
+    that version, and the update goes to the current weights at the learning
+    rate of the micro-batch's round; after every `aggregate_every`-th update
+    of a window the weights become the mean of the last `k0` updated versions. `k0`
+    may differ per window (a re-plan after a recovery changes the pipeline's
+    depth); a stream uses its first window's. Returns the final weights and
+    each window's loss.
     """
     k0s = [k0] * rounds if isinstance(k0, int) else list(k0)
     job = reference_job(model, seed, optimizer, dataset, rounds)
@@ -180,44 +186,45 @@ def reference_train_async(
     spec = job.optimizer
     opt = reference_optimizer(list(net.parameters()), spec)
     micro = global_batch // microbatches
-    losses = []
-    for r in range(rounds):
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(spec, r, rounds)
+    losses = [0.0] * rounds
+    starts = sorted({0, *(d for d in drains if 0 <= d < rounds)})
+    for start, stop in zip(starts, [*starts[1:], rounds], strict=True):
+        n = (stop - start) * microbatches
+        k = min(k0s[start], microbatches)
         versions = [_params(net)]
         updated: list[int] = []
         pending: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
-        window = 0.0
-        warm = min(k0s[r], microbatches)
-        order = [("F", j) for j in range(warm)]
-        for j in range(microbatches):
-            order.append(("B", j))
-            if warm + j < microbatches:
-                order.append(("F", warm + j))
-        for kind, j in order:
+        order = [("F", g) for g in range(min(k, n))]
+        for g in range(n):
+            order.append(("B", g))
+            if k + g < n:
+                order.append(("F", k + g))
+        for kind, g in order:
+            r, j = start + g // microbatches, g % microbatches
             if kind == "F":
                 x, y = data.train_batch(r * global_batch + j * micro, micro)
-                params = {n: t.clone().requires_grad_(True) for n, t in versions[-1].items()}
+                params = {name: t.clone().requires_grad_(True) for name, t in versions[-1].items()}
                 summed = nn.functional.cross_entropy(
                     torch.func.functional_call(net, params, (x,)), y, reduction="sum"
                 )
-                window += float(summed.detach() / global_batch)
-                pending[j] = (params, summed / micro)
+                losses[r] += float(summed.detach() / global_batch)
+                pending[g] = (params, summed / micro)
                 continue
-            params, loss = pending.pop(j)
+            params, loss = pending.pop(g)
             loss.backward()
             for name, p in net.named_parameters():
                 p.grad = params[name].grad
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(spec, r, rounds)
             opt.step()
             versions.append(_params(net))
             updated.append(len(versions) - 1)
-            if aggregate_every and len(updated) % aggregate_every == 0:
-                recent = [versions[v] for v in updated[-k0s[r] :]]
+            if aggregate_every and (j + 1) % aggregate_every == 0:
+                recent = [versions[v] for v in updated[-k:]]
                 with torch.no_grad():
                     for name, p in net.named_parameters():
                         p.copy_(torch.stack([v[name] for v in recent]).mean(dim=0))
                 versions.append(_params(net))
-        losses.append(window)
     return net.state_dict(), losses
 
 

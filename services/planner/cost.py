@@ -145,14 +145,14 @@ class CostModel:
         out: dict[str, int] = {}
         for s, stage in enumerate(plan.stages):
             k = plan.warmup(s)
-            stash = self.stashed(stage.start, stage.end, k, plan.warmup(0))
+            stash = self.stashed(stage.start, stage.end, plan.warmup(0))
             for dev, (lo, hi) in plan.ranges(s).items():
                 out[dev] = self.memory(stage.start, stage.end, hi - lo, k) + reserved[dev] + stash
         return out
 
-    def stashed(self, start: int, end: int, in_flight: int, k0: int) -> int:
+    def stashed(self, start: int, end: int, k0: int) -> int:
         """Bytes of the weight versions an async stage of layers [start, end) stashes (0 sync)."""
         if self.mode == "sync":
             return 0
-        copies = stashed_copies(min(in_flight, k0), k0, self.aggregate)
+        copies = stashed_copies(k0, self.aggregate)
         return copies * (self._params[end] - self._params[start])

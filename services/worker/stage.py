@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from common.async_versions import aggregates_after, version_for
+from common.async_versions import aggregates_after
 from common.checkpoint import (
     load_stage,
     restore_optimizer,
@@ -50,6 +50,7 @@ from common.settings import REDIS_OUTAGE_S
 from common.store import Store
 from common.zoo import ZooModel, build_model
 from services.worker.allreduce import ring_allreduce
+from services.worker.async_stream import AsyncStream
 from services.worker.evaluate import EvalResult, evaluate
 from services.worker.faults import FailAt
 from services.worker.holdings import HeldLayer, Holdings
@@ -204,12 +205,10 @@ class RoundState:
     timings: dict[str, float] = field(
         default_factory=lambda: {"forward_s": 0.0, "backward_s": 0.0, "wait_s": 0.0}
     )
-    version: int = 0
-    """async: the weight version held, counted from the window's start."""
     used: dict[int, int] = field(default_factory=dict)
     """async: the version each micro-batch in flight was forwarded on."""
-    updated: list[int] = field(default_factory=list)
-    """async: the versions the window's updates made, oldest first (for aggregation)."""
+    ahead_buffers: dict[str, torch.Tensor] | None = None
+    """async: the buffers the forwards of the next window run on (`AsyncStream`)."""
 
 
 class StageRunner:
@@ -326,6 +325,13 @@ class StageRunner:
         """async: the weight versions micro-batches in flight and to come run on."""
         self.k0 = min(plan.warmup(0), self.m)
         """The first stage's warm-up, which fixes every micro-batch's version (vertical sync)."""
+        every = assign.job.aggregate_every
+        self.stream = (
+            AsyncStream(assign.from_round, self.m, self.k, self.k0, every, self.total_rounds)
+            if self.stash is not None
+            else None
+        )
+        """async: the stream of micro-batches across windows, from this Assign's drain point."""
         self.module.register_forward_hook(self._forwarded)
         pool.reset(
             assign.epoch,
@@ -403,6 +409,8 @@ class StageRunner:
                 None if forward is None else functools.partial(self.run_task, state, forward),
                 None if backward is None else functools.partial(self.run_task, state, backward),
             )
+        while self.stream is not None and (ready := self.ready_task(state)) is not None:
+            self.run_task(state, ready)  # the next window's forwards ready now: beside the commit
         return self.end_round(state)
 
     def begin_round(
@@ -424,11 +432,28 @@ class StageRunner:
         self.pool.begin_round(round_no)
         self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True)  # the same, unless the step is on the host
-        if self.stash is not None:  # a window starts on the weights every update made
-            self.stash.keep(set())
-            self.stash.snapshot(0)
         res = RoundResult(samples=(self.span[1] - self.span[0]) * self.m)
-        return RoundState(round_no, res, self.assign.job.policy, time.perf_counter())
+        state = RoundState(round_no, res, self.assign.job.policy, time.perf_counter())
+        if self.stash is not None and self.stream is not None:
+            self._continue_stream(state, self.stash, self.stream)
+        return state
+
+    def _continue_stream(self, state: RoundState, stash: WeightStash, stream: AsyncStream) -> None:
+        """async: start the stream afresh (a drain point) or take over what ran ahead."""
+        fresh, ahead = stream.begin(state.round_no)
+        if fresh:  # the stream starts on the weights every update so far made
+            stash.keep(set())
+            stash.snapshot(0)
+        if ahead is None:
+            return
+        state.ctx, state.kept, state.used = ahead.ctx, ahead.kept, ahead.used
+        state.next_f = len(ahead.ctx)
+        state.res.max_alive = len(ahead.ctx)
+        self.pool.hold_saved(sum(ahead.kept.values()))
+        if ahead.buffers is not None:  # the statistics move on from the cut only now
+            with torch.no_grad():
+                for name, buffer in self.module.named_buffers():
+                    buffer.copy_(ahead.buffers[name])
 
     def ready_task(self, state: RoundState) -> Action | None:
         """The task the scheduler would run now, or None; never waits (for lockstep drivers)."""
@@ -445,16 +470,24 @@ class StageRunner:
         c0 = time.perf_counter()
         mb = action.mb
         if action.kind == "F":
-            if self.fail_at is not None:
-                self.fail_at.check(state.round_no, "forward", mb)
+            window, wmb = (state.round_no, mb)
             params = None
-            if self.stash is not None:
-                state.used[mb] = version_for(mb, self.k0, self.assign.job.aggregate_every)
+            if self.stash is not None and self.stream is not None:
+                window, wmb = self.stream.locate(state.round_no, mb)
+                state.used[mb] = self.stream.version_of(state.round_no, mb)
                 params = self.stash.params(state.used[mb])
+                if window != state.round_no:  # run ahead: the live buffers stay at the cut
+                    if state.ahead_buffers is None:
+                        state.ahead_buffers = {
+                            name: b.detach().clone() for name, b in self.module.named_buffers()
+                        }
+                    params = {**params, **state.ahead_buffers}
+            if self.fail_at is not None:
+                self.fail_at.check(window, "forward", wmb)
             skip = self._weights if params is None else self._weights | _storages(params)
             kept = SavedBytes(skip)
             with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
-                state.ctx[mb] = self._forward(state.round_no, mb, state.res, params)
+                state.ctx[mb] = self._forward(window, wmb, state.res, params)
             for t in state.ctx[mb]:  # the runner keeps input and output for the backward
                 kept.pack(t)
             state.kept[mb] = kept.total
@@ -492,6 +525,8 @@ class StageRunner:
         res = state.res
         res.timings = t
         res.peak_bytes, res.peak_saved_bytes = self.pool.peak_bytes, self.pool.peak_saved_bytes
+        if self.stream is not None:  # what ran ahead waits for the next window's RunRound
+            self.stream.end(round_no, state.ctx, state.kept, state.used, state.ahead_buffers)
         self.round = round_no + 1
         self.in_round = False
         return res
@@ -500,12 +535,25 @@ class StageRunner:
         """What the scheduler sees now (called under the pool's lock)."""
         # a gradient is only a task once its forward ran here (ctx holds it)
         alive = frozenset(ctx)
+        forward_ready = self._own_inputs if self.first else self.pool.ready(round_no, "F")
+        if self.stream is not None and (ahead := self.stream.lookahead(round_no)):
+            if self.first:
+                forward_ready = frozenset(range(self.m + ahead))
+            else:  # the next window's parts the previous stage already sent
+                nxt = self.pool.ready(round_no + 1, "F")
+                forward_ready |= frozenset(self.m + i for i in nxt if i < ahead)
         return PoolView(
             next_forward=next_f,
             alive=len(ctx),
-            forward_ready=self._own_inputs if self.first else self.pool.ready(round_no, "F"),
+            forward_ready=forward_ready,
             backward_ready=alive if self.last else self.pool.ready(round_no, "B") & alive,
         )
+
+    def _bounds(self, round_no: int) -> tuple[int, int]:
+        """The scheduler's K_p and forward count: async's stream runs ahead into the next window."""
+        if self.stream is None:
+            return self.k, self.m
+        return self.stream.limit, self.stream.slots(round_no)
 
     def _step(self, round_no: int) -> None:
         """One optimizer step at the learning rate the job's schedule gives `round_no`.
@@ -544,32 +592,32 @@ class StageRunner:
         micro-batch order (each stage runs them in order), which the version
         arithmetic relies on.
         """
-        every = self.assign.job.aggregate_every
-        if mb != state.done_b:
+        stream = self.stream
+        if stream is None or mb != state.done_b:
             raise RuntimeError(f"async backward of micro-batch {mb} out of order")
         grads = stash.take_grads(state.used.pop(mb))
         for param, grad in zip(self.module.parameters(), grads, strict=True):
             param.grad = grad
         self._step(state.round_no)
-        state.version += 1
-        stash.snapshot(state.version)
-        state.updated.append(state.version)
-        if aggregates_after(mb, every):
-            mean = stash.mean_of(state.updated[-self.k0 :])
+        stream.version += 1
+        stash.snapshot(stream.version)
+        stream.updated = [*stream.updated, stream.version][-self.k0 :]
+        g = (state.round_no - stream.drain) * self.m + mb  # aggregation counts the stream
+        if aggregates_after(g, stream.every, self.m):
+            mean = stash.mean_of(stream.updated)
             with torch.no_grad():
                 for name, param in self.module.named_parameters():
                     param.copy_(mean[name])
-            state.version += 1
-            stash.snapshot(state.version)
-        to_come = {version_for(j, self.k0, every) for j in range(state.next_f, self.m)}
-        recent = set(state.updated[-self.k0 :]) if every else set()
-        stash.keep({state.version, *state.used.values(), *to_come, *recent})
+            stream.version += 1
+            stash.snapshot(stream.version)
+        stash.keep({*state.used.values(), *stream.needed(state.next_f, state.round_no)})
 
     def _decide(
         self, round_no: int, next_f: int, ctx: dict[int, Any], policy: str
     ) -> Action | None:
         """Ask the pure scheduler what to run now (called under the pool's lock)."""
-        return next_task(self._view(round_no, next_f, ctx), self.p, self.k, self.m, policy)
+        k, m = self._bounds(round_no)
+        return next_task(self._view(round_no, next_f, ctx), self.p, k, m, policy)
 
     def _decide_pair(
         self, round_no: int, next_f: int, ctx: dict[int, Any]

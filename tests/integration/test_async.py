@@ -110,7 +110,7 @@ def test_an_async_pipeline_recovers_a_lost_stage_and_replays_its_window(
     store = Store(redis_url, cluster_name)
     try:
         for name in ("a", "b", "c"):
-            extra = ["--fail-at", "2:forward"] if name == "b" else []
+            extra = ["--fail-at", "2:forward:4"] if name == "b" else []
             cluster.spawn(name, ["-m", "services.worker.main", "--device", name, *extra])
             cluster.workers.append(name)
         cluster.start_coordinator(job, plan)
@@ -127,7 +127,7 @@ def test_an_async_pipeline_recovers_a_lost_stage_and_replays_its_window(
     k_before = Plan.model_validate(plan).warmup(0)
     k_after = min(2 * len(event["stages"]) - 1, M)
     ref, ref_losses = reference_train_async(
-        MODEL, 7, BATCH, M, [k_before] * 2 + [k_after] * 2, 4, SGD, aggregate_every=4
+        MODEL, 7, BATCH, M, [k_before] * 2 + [k_after] * 2, 4, SGD, aggregate_every=4, drains=(0, 2)
     )
     assert_matches_reference(weights, ref)
     assert_losses_match(losses[:2] + losses[-2:], ref_losses)

@@ -25,9 +25,10 @@ PLAN = Plan.model_validate(
 )
 
 
-def test_stashed_copies_are_the_versions_in_flight_the_next_one_and_the_averaged_ones():
-    assert stashed_copies(3, 3, aggregate=False) == 4
-    assert stashed_copies(1, 3, aggregate=True) == 1 + 1 + 3
+def test_stashed_copies_are_the_k0_versions_to_come_the_new_one_and_the_averaged_ones():
+    # every stage, whatever its own K_s, keeps the versions of the next K_0 micro-batches
+    assert stashed_copies(3, aggregate=False) == 4
+    assert stashed_copies(3, aggregate=True) == 3 + 1 + 3
 
 
 @pytest.mark.parametrize("aggregate", [False, True])
@@ -36,10 +37,10 @@ def test_an_async_plan_needs_the_sync_bytes_plus_its_stashed_weights(aggregate):
     cost = replace(sync, mode="async", aggregate=aggregate)
     before, after = sync.plan_memory(PLAN), cost.plan_memory(PLAN)
     k0 = PLAN.warmup(0)  # 3: two stages, 2S - 1
-    # stage 0: 10 bytes of weights, K_0 = 3 in flight; stage 1: 50 bytes, K_1 = 1
+    # stage 0: 10 bytes of weights, stage 1: 50 bytes; each keeps K_0 + 1 versions
     extra = {
         "a": 10 * (3 + 1 + (k0 if aggregate else 0)),
-        "b": 50 * (1 + 1 + (k0 if aggregate else 0)),
+        "b": 50 * (3 + 1 + (k0 if aggregate else 0)),
     }
     assert {d: after[d] - before[d] for d in before} == extra
 

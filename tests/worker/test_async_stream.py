@@ -1,0 +1,97 @@
+"""`mode: async` without a drain between windows, on a whole plan's runners in one process.
+
+While a stage finishes window r it already forwards the first micro-batches of
+window r+1 (the first stage's 1F1B over a continuous stream); its round ends
+after its own last backward of window r, and the forwards run ahead are carried
+into round r+1. The lockstep driver runs every task the moment it is ready, so
+the order is deterministic: it shows the run-ahead, and the weights equal the
+single-process replay of the stream (`reference_train_async`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from common.job import JobSpec
+from common.memory_model import stashed_copies
+from common.plan import Plan
+from services.worker.stash import WeightStash
+from tests.reference import assert_losses_match, assert_matches_reference, reference_train_async
+from tests.worker.local_pipeline import LocalPipeline
+
+MODEL = {"name": "small_cnn"}
+SGD = {"kind": "sgd", "lr": 0.05, "momentum": 0.9}
+BATCH = 32
+DEPTH3 = [
+    {"start": 0, "end": 2, "devices": [{"device": "a"}]},
+    {"start": 2, "end": 5, "devices": [{"device": "b"}]},
+    {"start": 5, "end": 7, "devices": [{"device": "c"}]},
+]
+
+
+def async_pipeline(store, m, rounds, every=0):
+    job = JobSpec.model_validate(
+        {
+            "job_id": "stream",
+            "model": MODEL,
+            "seed": 7,
+            "rounds": rounds,
+            "optimizer": SGD,
+            "mode": "async",
+            "aggregate_every": every,
+        }
+    )
+    return LocalPipeline(store, job, Plan(global_batch=BATCH, microbatches=m, stages=DEPTH3))
+
+
+@pytest.mark.parametrize(("m", "every"), [(4, 0), (8, 0), (4, 2), (8, 3)])
+def test_stages_forward_the_next_window_before_their_round_ends(store, monkeypatch, m, every):
+    stashed: dict[int, int] = {}
+    snapshot = WeightStash.snapshot
+
+    def counted(self, version):
+        snapshot(self, version)
+        stashed[id(self)] = max(stashed.get(id(self), 0), len(self.versions))
+
+    monkeypatch.setattr(WeightStash, "snapshot", counted)
+    rounds = 3
+    pipe = async_pipeline(store, m, rounds, every)
+    losses = []
+    for r in range(rounds):
+        results, order = pipe.run_lockstep(r)
+        losses.append(results["c"].loss_sum)
+        for name, runner in pipe.runners.items():
+            mine = [a for n, a in order if n == name]
+            ahead = [a.mb for a in mine if a.kind == "F" and a.mb >= m]
+            # K_s - 1 forwards of window r+1 run before round r ends, except on
+            # the last stage (K = 1) and in the job's last window
+            want = runner.k - 1 if r + 1 < rounds else 0
+            assert ahead == list(range(m, m + want)), (r, name, [str(a) for a in mine])
+            assert results[name].max_alive <= runner.k
+    k0 = pipe.plan.warmup(0)
+    ref, ref_losses = reference_train_async(
+        MODEL, 7, BATCH, m, k0, rounds, SGD, aggregate_every=every
+    )
+    assert_matches_reference(pipe.weights(), ref)
+    assert_losses_match(losses, ref_losses)
+    # the planner's count of stashed versions bounds what each stage really held
+    bound = stashed_copies(k0, bool(every))
+    assert 0 < max(stashed.values()) <= bound, (stashed, bound)
+    assert pipe.out.dropped == []
+
+
+def test_the_live_state_at_each_round_end_is_a_consistent_cut(store):
+    """Forwards run ahead change no weight and no batch-norm statistic before their window.
+
+    The stream's first R windows are a job of R rounds (a constant learning
+    rate), so at each round end the live state must equal that shorter replay.
+    """
+    rounds = 4
+    pipe = async_pipeline(store, 4, rounds, every=2)
+    k0 = pipe.plan.warmup(0)
+    for r in range(rounds):
+        pipe.run_lockstep(r)
+        assert pipe.runners["a"].stream is not None
+        assert (pipe.runners["a"].stream.ahead is None) == (r + 1 == rounds)
+        ref, _ = reference_train_async(MODEL, 7, BATCH, 4, k0, r + 1, SGD, aggregate_every=2)
+        assert_matches_reference(pipe.weights(), ref, what=f"the live state after round {r}")

@@ -35,6 +35,7 @@ from common.fl.data import (
     label_histogram,
     load_digits_split,
 )
+from common.fl.spec import FederationSpec
 from services.federation.simulate import SimConfig, SlowDown, simulate
 from services.federation.strategies import Strategy, make_strategy
 
@@ -47,8 +48,17 @@ class BenchConfig:
 
     round_times: tuple[float, ...] = (1.0, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0)
     alphas: tuple[float, ...] = (0.1, 0.5)
-    # "name/rt=X" runs a strategy with regrouping band rt_fraction X (default 0.5)
-    strategies: tuple[str, ...] = ("ecofl", "ecofl/rt=1", "fedavg", "fedasync", "fedat", "astraea")
+    # "name/rt=X" runs a strategy with regrouping band rt_fraction X (default 0.5);
+    # "name/band" with the federation spec's default noise-robust band (median, dwell)
+    strategies: tuple[str, ...] = (
+        "ecofl",
+        "ecofl/rt=1",
+        "ecofl/band",
+        "fedavg",
+        "fedasync",
+        "fedat",
+        "astraea",
+    )
     seeds: tuple[int, ...] = (0, 1, 2)
     horizon: float = 120.0  # virtual seconds each run gets
     target: float = 0.8  # accuracy whose first crossing time is reported
@@ -95,7 +105,12 @@ class Summary:
 
 
 def build_strategy(label: str, groups: int) -> Strategy:
-    """A strategy from its bench label, ``name`` or ``name/rt=X`` (a wider regrouping band)."""
+    """A strategy from its bench label: ``name``, ``name/rt=X`` (a wider regrouping band)
+    or ``name/band`` (the spec's default latency window and regroup dwell)."""
+    if label.endswith("/band"):
+        fields = FederationSpec.model_fields
+        window, dwell = fields["latency_window"].default, fields["regroup_dwell"].default
+        return make_strategy(label.removesuffix("/band"), groups, window=window, dwell=dwell)
     name, _, rt = label.partition("/rt=")
     return make_strategy(name, groups, rt_fraction=float(rt) if rt else 0.5)
 

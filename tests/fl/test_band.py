@@ -262,3 +262,17 @@ def test_the_simulator_regroups_later_with_the_band_and_stays_exact(digits: Digi
     # Algorithm 1 drops it after its first slow round, the band after its third
     assert first.events[0].time > plain.events[0].time
     assert first.final_groups == plain.final_groups == ((0,), (2, 3))
+
+
+def test_the_virtual_clock_bench_runs_eco_fl_with_the_specs_band() -> None:
+    from tests.bench.bench_fl import BenchConfig, build_strategy
+
+    band = build_strategy("ecofl/band", 2)
+    fields = FederationSpec.model_fields
+    assert band.name == "ecofl" and (band.window, band.dwell) == (
+        fields["latency_window"].default,
+        fields["regroup_dwell"].default,
+    )
+    plain = build_strategy("ecofl/rt=1", 2)
+    assert (plain.rt_fraction, plain.window, plain.dwell) == (1.0, 1, 1)
+    assert "ecofl/band" in BenchConfig().strategies

@@ -279,3 +279,13 @@ def test_a_stored_state_for_other_homes_is_refused() -> None:
         )
     with pytest.raises(FederationError, match="does not fit"):
         Federation(make_strategy("fedavg"), ZERO, 2, 5, 10.0).restore({"version": 0}, ZERO)
+
+
+def test_a_round_end_carries_its_members_latencies_and_a_failed_homes_wait() -> None:
+    fed = federation(make_strategy("fedat", groups=2), [A, B, A], timeout=10.0)
+    end = run_round(fed, range(3), [1.0, 2.5, 4.0])
+    assert end is not None and end.members == (0, 1, 2) and end.latencies == (1.0, 2.5, 4.0)
+    rid = fed.task(0, 20.0).round_id
+    fed.submit(0, rid, model(0.0, 0.0), 10, 1.5, 21.5)
+    (late,) = fed.expire(31.0)
+    assert late.members == (0, 1) and late.failed == (1,) and late.latencies == (1.5, 11.0)

@@ -17,6 +17,7 @@ from common.memory_model import stashed_copies
 from common.plan import Plan
 from services.worker.stash import WeightStash
 from tests.reference import assert_losses_match, assert_matches_reference, reference_train_async
+from tests.worker import test_pool_memory as pm
 from tests.worker.local_pipeline import LocalPipeline
 
 MODEL = {"name": "small_cnn"}
@@ -95,3 +96,42 @@ def test_the_live_state_at_each_round_end_is_a_consistent_cut(store):
         assert (pipe.runners["a"].stream.ahead is None) == (r + 1 == rounds)
         ref, _ = reference_train_async(MODEL, 7, BATCH, 4, k0, r + 1, SGD, aggregate_every=2)
         assert_matches_reference(pipe.weights(), ref, what=f"the live state after round {r}")
+
+
+def test_what_runs_ahead_stays_within_the_planners_in_flight_count(store):
+    """Saved activations peak at K_s micro-batches per stage, windows carried over included.
+
+    The planner sizes a stage for K_s micro-batches in flight (`stage_bytes`);
+    the forwards run ahead count against the same bound, and the pool holds no
+    more than the synchronous bound of `test_pool_memory` allows.
+    """
+    job = JobSpec.model_validate(
+        {
+            "job_id": "memory",
+            "model": pm.MLP,
+            "seed": 7,
+            "rounds": 4,
+            "optimizer": {"kind": "sgd", "lr": 0.05},
+            "mode": "async",
+        }
+    )
+    stages = [{"start": p, "end": p + 1, "devices": [{"device": f"d{p}"}]} for p in range(pm.S)]
+    plan = Plan(global_batch=pm.M * pm.N, microbatches=pm.M, stages=stages)
+    pipe = LocalPipeline(store, job, plan)
+    saved_peaks = []
+    for round_no in range(4):
+        results, order = pipe.run_lockstep(round_no)
+        got = [results[f"d{p}"] for p in range(pm.S)]
+        saved_peaks.append([r.peak_saved_bytes for r in got])
+        for p in range(pm.S):
+            assert got[p].max_alive <= pm.K[p]
+            ahead = min(pm.K[p - 1] + 1, pm.M) - pm.K[p] if p > 0 else 0
+            bound = pm.K[p] * (pm.kept(p) + pm.gradient(p)) + ahead * pm.received(p)
+            assert got[p].peak_bytes <= bound, (round_no, p, got[p].peak_bytes, bound)
+        carried = [a for _, a in order if a.kind == "F" and a.mb >= pm.M]
+        assert bool(carried) == (round_no < 3)
+    # every round holds exactly K_s micro-batches at its peak, no more
+    assert saved_peaks == [[pm.K[p] * pm.kept(p) for p in range(pm.S)]] * 4
+    for pool in pipe.pools.values():  # the last window runs nothing ahead: all let go
+        assert (pool.resident_bytes(), pool.saved_bytes) == (0, 0)
+    assert pipe.out.dropped == []

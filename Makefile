@@ -100,8 +100,8 @@ bench-async:  ## async (no drain) against sync on the edge testbed (root): M 4/1
 bench-duanwu:  ## Duan & Wu's planner: Algorithm 2 vs brute-force grouping, beta split vs plain pipelining (predicted)
 	$(BIN)/python -m tests.bench.bench_duanwu --out bench-results/duanwu
 
-bench-duanwu-split:  ## Duan & Wu's split measured (root): where forward and backward lanes meet on one core, depth-4 epochs on the testbed
-	$(BIN)/python -m tests.bench.bench_duanwu_split --out bench-results/duanwu-split
+bench-duanwu-split:  ## Duan & Wu's split measured (root): its gain on one and two cores and per device, the planner's decision, depth-4 epochs on 2-core testbed devices
+	$(BIN)/python -m tests.bench.bench_duanwu_split --out bench-results/duanwu-split $(ARGS)
 
 ARCH ?= amd64
 

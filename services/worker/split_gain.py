@@ -10,13 +10,21 @@ backward of another, first one after the other on all of the device's cores
 lane pinned to its share of the cores where there are two or more). The
 gain is in-turn time over split time, minus one: > 0 where the split pays.
 The planner splits a device only where this was measured above its margin.
+
+    python -m services.worker.split_gain --model JSON --layers LO HI --micro N [--repeats R]
+
+measures layers [LO, HI) of a zoo model on a micro-batch of N random samples
+with this process's cores (inside a testbed device: the device's cpuset and
+quota) and prints the measurement as one JSON object.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -26,7 +34,7 @@ from common.errors import ConfigError
 from common.profile import Profile
 from services.worker.lanes import SplitLanes, bound_to, device_cores
 
-__all__ = ["SplitGain", "measure_split_gain", "with_split_gain"]
+__all__ = ["SplitGain", "layer_range", "measure_split_gain", "with_split_gain"]
 
 
 @dataclass(frozen=True)
@@ -51,15 +59,23 @@ class SplitGain:
         return {**asdict(self), "gain": self.gain}
 
 
-def _median_time(run: Callable[[], object], prepare: Callable[[], object], repeats: int) -> float:
-    """Median seconds of `run` over `repeats`, `prepare` (untimed) before each."""
-    out = []
-    for _ in range(repeats):
-        prepare()
-        t0 = time.perf_counter()
-        run()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+def _interleaved(
+    runs: Sequence[Callable[[], object]], prepare: Callable[[], object], repeats: int
+) -> list[float]:
+    """Median seconds of each of `runs`, in turns (ABAB, then BABA), `prepare` before each.
+
+    Taking them in turns rather than one block after the other keeps a change in
+    the machine's load (other processes on its cores) from landing on one side only.
+    """
+    out: list[list[float]] = [[] for _ in runs]
+    for r in range(repeats):
+        order = list(range(len(runs)))
+        for i in order if r % 2 == 0 else order[::-1]:
+            prepare()
+            t0 = time.perf_counter()
+            runs[i]()
+            out[i].append(time.perf_counter() - t0)
+    return [statistics.median(times) for times in out]
 
 
 def measure_split_gain(
@@ -111,16 +127,16 @@ def measure_split_gain(
                 prepare()
                 forward()
                 backward()
-            f = _median_time(forward, lambda: None, repeats)
-            b = _median_time(backward, prepare, repeats)
+            f, b = _interleaved([forward, backward], prepare, repeats)
             share = (0.5 if f + b <= 0 else f / (f + b)) if beta is None else beta
-            in_turn = _median_time(pair, prepare, repeats)
             lanes = SplitLanes(share, cores=have)
             try:
                 for _ in range(warmup):
                     prepare()
                     lanes.run(forward, backward)
-                split = _median_time(lambda: lanes.run(forward, backward), prepare, repeats)
+                in_turn, split = _interleaved(
+                    [pair, lambda: lanes.run(forward, backward)], prepare, repeats
+                )
             finally:
                 lanes.close()
     finally:
@@ -131,3 +147,49 @@ def measure_split_gain(
 def with_split_gain(profile: Profile, gain: float) -> Profile:
     """`profile` carrying the device's measured split gain (what the planner reads)."""
     return profile.model_copy(update={"split_gain": gain})
+
+
+def layer_range(
+    spec: dict[str, object], lo: int, hi: int, micro: int, seed: int = 0
+) -> tuple[nn.Module, torch.Tensor]:
+    """Layers [lo, hi) of the zoo model `spec` and their input for `micro` random samples.
+
+    Raises:
+        ConfigError: A bad spec, or a range outside the model's layers.
+
+    """
+    from common.zoo import ModelSpec, build_model
+
+    model = build_model(ModelSpec.model_validate(spec), seed)
+    if not 0 <= lo < hi <= len(model.layers) or micro < 1:
+        raise ConfigError(f"layers [{lo}, {hi}) of {len(model.layers)}, micro-batch {micro}")
+    gen = torch.Generator().manual_seed(seed)
+    shape = (micro, *model.input.shape)
+    if model.input.kind == "tokens":
+        x = torch.randint(0, model.input.vocab_size or 2, shape, generator=gen)
+    else:
+        x = torch.randn(shape, generator=gen, dtype=model.input.dtype)
+    with torch.no_grad():
+        for layer in model.layers[:lo]:
+            x = layer.train()(x)
+    return nn.Sequential(*model.layers[lo:hi]).train(), x
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure a layer range here and print the measurement as JSON."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--model", required=True, help="zoo model spec as JSON")
+    parser.add_argument("--layers", nargs=2, type=int, required=True, metavar=("LO", "HI"))
+    parser.add_argument("--micro", type=int, required=True)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--beta", type=float, default=None)
+    args = parser.parse_args(argv)
+    lo, hi = args.layers
+    module, x = layer_range(json.loads(args.model), lo, hi, args.micro)
+    got = measure_split_gain(module, x, beta=args.beta, repeats=args.repeats)
+    print(json.dumps(got.as_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,9 +1,10 @@
-"""The split-device benchmark's code paths on a tiny run: quota-split lanes, a split plan, outputs.
+"""The split-device benchmark's code paths on a tiny run: gains, decisions, a split plan, outputs.
 
-Part 1 runs for real (one small layer range, three betas, few repetitions) when
-this process may make cgroup v1 cpu groups; part 2's plumbing (a profiled
-2-stage plan, its optimal-beta variant trained by real workers and coordinator
-on loopback, samples/s from the round metrics) runs without the testbed.
+The gain part runs for real (small_cnn's stages, one and two cores, few
+repetitions); the epoch part's plumbing (a profiled 2-stage plan, its split
+variant trained by real workers and coordinator on loopback, samples/s from the
+round metrics) runs without the testbed; the one-core quota experiment runs
+when this process may make cgroup v1 cpu groups.
 """
 
 from __future__ import annotations
@@ -17,25 +18,34 @@ import pytest
 
 from common.store import Store
 from services.planner.duanwu import BETA_RANGE
-from tests.bench.bench_duanwu_split import (
-    CPU_ROOT,
+from tests.bench.async_runs import samples_per_s
+from tests.bench.bench_duanwu_split import header_for
+from tests.bench.duanwu_split_epoch import (
     EpochRow,
-    LaneCgroups,
-    Meeting,
     cost_for,
-    cpu_cgroup_writable,
-    crossing,
-    header_for,
     job_spec,
-    lane_core,
     measure_profile,
     pipeline_plan,
     plan_json,
-    run_meetings,
-    samples_per_s,
     variants,
-    write_outputs,
 )
+from tests.bench.duanwu_split_gain import (
+    decide,
+    gain_table,
+    host_gains,
+    planner_variant,
+    stage_gains,
+)
+from tests.bench.duanwu_split_meet import (
+    CPU_ROOT,
+    LaneCgroups,
+    Meeting,
+    cpu_cgroup_writable,
+    crossing,
+    lane_core,
+    run_meetings,
+)
+from tests.bench.duanwu_split_report import write_outputs
 from tests.cluster import LocalCluster
 
 TINY: dict[str, dict[str, Any]] = {"small_cnn": {"spec": {"name": "small_cnn"}, "micro": 16}}
@@ -67,16 +77,15 @@ def meetings() -> list[Meeting]:
 
 
 @needs_cgroups
-def test_lanes_cross_between_zero_and_one_near_the_optimal_beta(meetings: list[Meeting]) -> None:
+def test_the_one_core_experiment_measures_every_beta_and_the_pairs(meetings: list[Meeting]) -> None:
+    # where the lanes cross is a timing figure: the bench reports it, the test checks the run
     (m,) = meetings
     assert m.forward_s > 0 and m.backward_s > 0
     assert 0 < m.optimal_beta < 1
-    assert m.crossing_beta is not None and 0 < m.crossing_beta < 1, m
-    assert abs(m.crossing_beta - m.optimal_beta) < 0.2
-    # a lane's time shrinks with its share: the forward's falls, the backward's grows with beta
-    assert m.grid[0].forward_s > m.grid[-1].forward_s
-    assert m.grid[0].backward_s < m.grid[-1].backward_s
-    assert m.at_crossing is not None and m.at_optimal is not None
+    assert [p.beta for p in m.grid] == [0.2, 0.5, 0.8]
+    assert all(p.forward_s > 0 and p.backward_s > 0 and p.pair_s > 0 for p in m.grid)
+    assert m.at_optimal is not None and m.at_optimal.beta == m.optimal_beta
+    assert (m.at_crossing is None) == (m.crossing_beta is None)
 
 
 @needs_cgroups
@@ -114,7 +123,8 @@ def test_split_plan_trains_and_the_outputs_are_written(
     plan = pipeline_plan(cost, micro=16, global_batch=64)
     assert [a.device for s in plan.stages for a in s.devices] == devices
     runs = variants(cost, plan)
-    split, betas = runs["optimal"]
+    assert set(runs) == {"plain", "split"}  # no planner plan: nothing more to run
+    split, betas = runs["split"]
     assert betas is not None and set(betas) == set(devices)
     assert all(BETA_RANGE[0] <= b <= BETA_RANGE[1] for b in betas.values())
     assert [a.forward_share for s in split.stages for a in s.devices] == [betas[d] for d in devices]
@@ -135,7 +145,30 @@ def test_split_plan_trains_and_the_outputs_are_written(
     rate, rounds = samples_per_s(metrics, plan.global_batch)
     assert len(rounds) == 3 and rate is not None and rate > 0
 
-    row = EpochRow("small_cnn", "optimal", betas, [(s.start, s.end) for s in split.stages])
+    # the gains on this machine and the planner's decisions from them
+    gains = stage_gains("small_cnn", plan, TINY)
+    cores = sorted(os.sched_getaffinity(0))
+    host_gains(gains, repeats=2, cores=cores, registry=TINY)
+    for g in gains:
+        assert g.host_one is not None and g.host_one["cores"] == 1
+        assert g.host_two is not None and g.host_two["cores"] == min(2, len(cores))
+    decide(cost, plan, gains, "two cores")
+    for g in gains:
+        two = g.gain("two cores")
+        assert (g.decisions["two cores"] == "split") == (two is not None and two > 0.02)
+    # as if measured in the devices: a gain on "a" only, so only "a" splits
+    gains[0].on_device = {**gains[0].host_two, "gain": 0.5}
+    gains[1].on_device = {**gains[1].host_two, "gain": -0.1}
+    decide(cost, plan, gains, "device")
+    assert [g.decisions["device"] == "split" for g in gains] == [True, False]
+    chosen = planner_variant(cost, plan, gains)
+    shares = [a.forward_share for s in chosen.stages for a in s.devices]
+    assert shares == [betas["a"], None]
+    runs = variants(cost, plan, chosen)
+    assert runs["planner"][1] == {"a": betas["a"]}
+    assert "variants" not in gain_table(gains)[0]
+
+    row = EpochRow("small_cnn", "split", betas, [(s.start, s.end) for s in split.stages])
     row.add(rate, rounds)
     assert row.samples_per_s == rate and row.runs == [rate]
     plain = EpochRow("small_cnn", "plain", None, row.stages)
@@ -144,9 +177,11 @@ def test_split_plan_trains_and_the_outputs_are_written(
     if cpu_cgroup_writable():
         meetings = request.getfixturevalue("meetings")
     out = tmp_path / "out"
-    write_outputs(out, meetings, [plain, row], header_for("smoke"))
+    write_outputs(out, meetings, gains, [plain, row], header_for("smoke"))
     text = (out / "table.md").read_text()
     assert "## 2. Epoch time" in text and "+0.0 %" in text  # the same rate twice
+    assert "## 1. The split's measured gain" in text and "**split**" in text
+    assert (out / "gain.png").stat().st_size > 0
     assert (out / "epoch.png").stat().st_size > 0
     assert (out / "results.json").stat().st_size > 0
     if meetings:

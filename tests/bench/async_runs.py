@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from services.planner.async_gain import StageCost
 from tests.bench.async_jobs import LR, Config, job_for, plan_for
 from tests.bench.async_runners import Extras, Outcome
+from tests.bench.recovery_jobs import stages_text
 
 
 @dataclass
@@ -149,17 +150,12 @@ def replans(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for e in events:
         if e.get("event") != "replanned":
             continue
-        stages = e.get("stages") or []
         out.append(
             {
                 "round": e.get("from_round"),
                 "kind": e.get("kind", ""),
                 "reason": str(e.get("reason", ""))[:200],
-                "stages": " / ".join(
-                    f"{st['start']}-{st['end']}:{'+'.join(a['device'] for a in st['devices'])}"
-                    for st in stages
-                    if isinstance(st, dict)
-                ),
+                "stages": stages_text(e.get("stages") or []),
             }
         )
     return out

@@ -346,15 +346,16 @@ class JobSpec(_Strict):
         "sync",
         description="sync: each round one step of the whole batch (exact); async (FTPipeHD, "
         "PipeDream): every micro-batch is a mini-batch updated right after its backward, "
-        "no flush inside a round (a window), weight stashing and vertical sync; a pipeline "
-        "of single-device stages only.",
+        "no flush inside a round (a window) nor between windows, weight stashing and "
+        "vertical sync; a pipeline of single-device stages only.",
     )
     aggregate_every: int = Field(
         0,
         ge=0,
         le=MAX_ROUNDS,
-        description="async: every this many updates, replace the weights by the mean of the "
-        "last K_0 updated versions (FTPipeHD's weight aggregation; 0: never).",
+        description="async: after every this many updates of a window, replace the weights "
+        "by the mean of the last K_0 updated versions (FTPipeHD's weight aggregation; "
+        "0: never).",
     )
     planner: str = Field("asteroid", description="Planner that makes the plan.")
     eval_every: int = Field(

@@ -240,6 +240,7 @@ def plan(
         f"simulated round {sim.round_s * 1000:.1f} ms, {sim.throughput:.1f} samples/s, "
         f"bubbles {sim.bubble_fraction:.0%}; estimate {made.predicted_round_s or 0:.3f} s"
     )
+    _async_prediction(made, cost)
     if compare:
         _compare(cost, global_batch, microbatches)
     if out:
@@ -250,6 +251,24 @@ def plan(
 
         draw_timeline(sim, made, timeline, title=f"{planner}: {sim.round_s * 1000:.0f} ms/round")
         console.print(f"timeline written to {timeline}")
+
+
+def _async_prediction(plan: Plan, cost: CostModel) -> None:
+    """What mode async without a drain would gain on this plan, if it can run async.
+
+    The profiles time forwards and backwards only, not an optimizer step or a
+    weight snapshot per micro-batch, so this is async's best case: where it does
+    not pay even then, keep sync.
+    """
+    from common.errors import PlanError
+    from services.planner.async_gain import predict_plan
+
+    free = [0.0] * len(plan.stages)
+    try:
+        gain = predict_plan(plan, cost, free, free)
+    except PlanError:
+        return  # groups or split devices: sync only
+    console.print(f"mode async, no drain, updates not profiled (its best case): {gain.describe()}")
 
 
 def _compare(cost: CostModel, global_batch: int, microbatches: int) -> None:

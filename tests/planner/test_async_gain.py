@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from common.errors import PlanError
@@ -79,3 +81,24 @@ def test_bad_costs_are_refused() -> None:
         predict([StageCost(1.0, 1.0)], 0)
     with pytest.raises(ValueError, match="at least one stage"):
         predict([], 4)
+
+
+def test_asteroid_plan_states_what_async_would_gain_on_a_pipeline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from common.ports import free_port
+    from services.cli import app
+    from services.cli.example_files import example_path
+
+    monkeypatch.setenv("ASTEROID_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    with example_path("cluster.yaml") as path:
+        args = ["plan", "--cluster", str(path), "--global-batch", "64", "--microbatches", "4"]
+        piped = CliRunner().invoke(app, [*args, "--planner", "gpipe"])
+        grouped = CliRunner().invoke(app, [*args, "--planner", "dp"])
+    assert piped.exit_code == 0, piped.output
+    assert "mode async, no drain" in piped.output and "M=4: sync window" in piped.output
+    assert grouped.exit_code == 0, grouped.output
+    assert "mode async" not in grouped.output  # one data-parallel group: sync only

@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0 and not args.skip_epoch:
         print("the epoch part needs root (the testbed); --skip-epoch runs without", file=sys.stderr)
         return 2
-    rounds = args.rounds or (3 if args.quick else 8)
-    repeats = args.repeats or (1 if args.quick else 3)
-    gain_repeats = args.gain_repeats or (5 if args.quick else 21)
+    rounds = args.rounds or (3 if args.quick else 6)
+    repeats = args.repeats or (1 if args.quick else 2)
+    gain_repeats = args.gain_repeats or (5 if args.quick else 11)
     command = "python -m tests.bench.bench_duanwu_split " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 mine = by_stage[(g.model, g.device)]
                 mine.on_device, mine.decisions["device"] = g.on_device, g.decisions["device"]
             epochs[:] = rows
+            header["planner_choice"] = bench.choices
             write_outputs(args.out, meetings, gains, epochs, header)
 
         bench = EpochBench(args.out, rounds, cpu=args.device_cpu)

@@ -262,6 +262,8 @@ class EpochBench:
         from services.testbed.spec import TestbedDevice, TestbedSpec, parse_cpus
 
         self.out, self.rounds, self.cpu = out, rounds, cpu
+        self.choices: dict[str, str] = {}
+        """Per model: what the planner's rule chose from the gains measured in the devices."""
         self.threads = 1 if cores is None else len(parse_cpus(cores))
         """Intra-op threads of each worker: one per core of its device."""
         self.spec = TestbedSpec(
@@ -307,7 +309,7 @@ class EpochBench:
                 for r in rows:
                     device_gain(bed, r, gain_repeats)
                 decide(cost, plan, rows, "device")
-                planner[model] = planner_variant(cost, plan, rows)
+                planner[model], self.choices[model] = planner_variant(cost, plan, rows)
                 gains += rows
             todo = plan_rows(plans, planner)
             epochs = [r for r, _ in todo]

@@ -26,6 +26,7 @@ from common.plan import Plan
 from common.profile import ClusterSpec, DeviceSpec, Profile
 from services.planner.cost import CostModel
 from services.planner.duanwu import split_reasons, split_specs
+from services.planner.simulator import simulate
 from services.worker.split_gain import layer_range, measure_split_gain, with_split_gain
 from tests.bench.duanwu_split_common import MODELS, fmt
 
@@ -123,10 +124,24 @@ def decide(cost: CostModel, plan: Plan, rows: Sequence[StageGain], where: str) -
         r.decisions[where] = "split" if reason is None else f"no: {reason}"
 
 
-def planner_variant(cost: CostModel, plan: Plan, rows: Sequence[StageGain]) -> Plan:
-    """`plan` split where the gains measured inside the devices say so (the planner's rule)."""
+def planner_variant(cost: CostModel, plan: Plan, rows: Sequence[StageGain]) -> tuple[Plan, str]:
+    """`plan` as `DuanWuPlanner.plan` would run it from the gains measured inside the devices.
+
+    The devices whose gain clears the margin split (`split_specs`), and the
+    split plan is kept only if the simulator's round is shorter than the
+    unsplit one's (the planner's choice between its two candidates). Returns
+    the plan and a sentence saying what was chosen and why.
+    """
     gcost = gain_cost(cost, {r.device: r.gain("device") for r in rows})
-    return plan.model_copy(update={"stages": split_specs(gcost, plan)})
+    split = plan.model_copy(update={"stages": split_specs(gcost, plan)})
+    allowed = [a.device for s in split.stages for a in s.devices if a.forward_share is not None]
+    if not allowed:
+        return plan, "no device's measured gain clears the margin: nothing split"
+    s_split, s_plain = simulate(split, gcost).round_s, simulate(plan, gcost).round_s
+    said = f"gains allow {', '.join(allowed)}; simulated round {s_split:.2f} s split"
+    if s_split < s_plain:
+        return split, f"{said} < {s_plain:.2f} s unsplit: split"
+    return plan, f"{said} >= {s_plain:.2f} s unsplit: not split"
 
 
 def gain_table(rows: Sequence[StageGain]) -> list[str]:

@@ -95,6 +95,8 @@ def write_outputs(
     ]
     if gains:
         lines += [*gain_table(gains), ""]
+    for model, choice in dict(header.get("planner_choice") or {}).items():
+        lines += [f"The planner's choice for {model}, from the gains in the devices: {choice}.", ""]
     if rows:
         cpu = float(header.get("devices", {}).get("cpu", 0.0))
         cores = str(header.get("devices", {}).get("cores", DEVICE_CORES))

@@ -29,6 +29,7 @@ which a testbed device's cpuset sets):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Collection, Iterator
@@ -37,7 +38,14 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["SplitLanes", "bound_to", "device_cores", "lane_cores", "split_threads"]
+__all__ = [
+    "SplitLanes",
+    "bound_to",
+    "device_cores",
+    "lane_cores",
+    "single_thread",
+    "split_threads",
+]
 
 
 def split_threads(beta: float, threads: int) -> tuple[int, int]:
@@ -71,13 +79,25 @@ def lane_cores(beta: float, cores: Collection[int]) -> tuple[frozenset[int], fro
 
 @contextmanager
 def _threads(n: int) -> Iterator[None]:
-    """Run the block with `n` intra-op threads on this thread, then restore the count."""
+    """Run the block with `n` intra-op threads on this thread, then restore the count.
+
+    Setting the count is not free (the intra-op pools are resized), so a
+    count that is already right is left alone.
+    """
     before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
     torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def single_thread() -> contextlib.AbstractContextManager[None]:
+    """Run the block with one intra-op thread on this thread (operators in the thread itself)."""
+    return _threads(1)
 
 
 @contextmanager

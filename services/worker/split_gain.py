@@ -32,7 +32,7 @@ from torch import nn
 
 from common.errors import ConfigError
 from common.profile import Profile
-from services.worker.lanes import SplitLanes, bound_to, device_cores
+from services.worker.lanes import SplitLanes, bound_to, device_cores, single_thread
 
 __all__ = ["SplitGain", "layer_range", "measure_split_gain", "with_split_gain"]
 
@@ -48,15 +48,32 @@ class SplitGain:
     beta: float
     cores: int
     pinned: bool
+    in_turn_one_s: float = 0.0
+    """The pair in turn at ONE intra-op thread on the same cores (0: not measured)."""
 
     @property
     def gain(self) -> float:
-        """In-turn over split, minus one: 0.05 is a pair 1 / 1.05 as long on the lanes."""
+        """In-turn over split, minus one: 0.05 is a pair 1 / 1.05 as long on the lanes.
+
+        In turn runs as an unsplit worker on these cores does (one intra-op thread
+        per core): the gain the planner weighs.
+        """
         return self.in_turn_s / self.split_s - 1.0 if self.split_s > 0 else 0.0
 
+    @property
+    def best_gain(self) -> float:
+        """The gain over the faster in-turn way (one thread per core, or a single thread).
+
+        Where many intra-op threads lose to one (small operators, a busy or
+        throttled machine), part of `gain` is that loss, which one thread unsplit
+        would avoid as well; this is what remains of the split's own.
+        """
+        best = min(t for t in (self.in_turn_s, self.in_turn_one_s) if t > 0)
+        return best / self.split_s - 1.0 if self.split_s > 0 else 0.0
+
     def as_dict(self) -> dict[str, float | int | bool]:
-        """The fields and the gain, for results files."""
-        return {**asdict(self), "gain": self.gain}
+        """The fields and the gains, for results files."""
+        return {**asdict(self), "gain": self.gain, "best_gain": self.best_gain}
 
 
 def _interleaved(
@@ -117,6 +134,10 @@ def measure_split_gain(
         forward()
         backward()
 
+    def pair_one() -> None:
+        with single_thread():
+            pair()
+
     before = torch.get_num_threads()
     torch.set_num_threads(len(have))
     try:
@@ -134,14 +155,14 @@ def measure_split_gain(
                 for _ in range(warmup):
                     prepare()
                     lanes.run(forward, backward)
-                in_turn, split = _interleaved(
-                    [pair, lambda: lanes.run(forward, backward)], prepare, repeats
+                in_turn, split, in_turn_one = _interleaved(
+                    [pair, lambda: lanes.run(forward, backward), pair_one], prepare, repeats
                 )
             finally:
                 lanes.close()
     finally:
         torch.set_num_threads(before)
-    return SplitGain(f, b, in_turn, split, share, len(have), lanes.pinned)
+    return SplitGain(f, b, in_turn, split, share, len(have), lanes.pinned, in_turn_one)
 
 
 def with_split_gain(profile: Profile, gain: float) -> Profile:

@@ -23,6 +23,15 @@ def test_the_gain_is_in_turn_over_split_minus_one() -> None:
     assert g.gain == pytest.approx(0.2)
     assert SplitGain(1.0, 2.0, 3.0, 3.6, 0.5, 1, False).gain == pytest.approx(-1 / 6)
     assert g.as_dict()["gain"] == pytest.approx(0.2)
+    assert g.best_gain == g.gain  # no single-thread figure: the one in-turn time
+
+
+def test_the_best_gain_weighs_the_split_against_the_faster_way_in_turn() -> None:
+    slow_threads = SplitGain(1.0, 2.0, 4.0, 2.5, 1 / 3, 2, True, in_turn_one_s=2.0)
+    assert slow_threads.gain == pytest.approx(0.6)
+    assert slow_threads.best_gain == pytest.approx(-0.2)
+    fast_threads = SplitGain(1.0, 2.0, 2.0, 2.5, 1 / 3, 2, True, in_turn_one_s=4.0)
+    assert fast_threads.best_gain == fast_threads.gain == pytest.approx(-0.2)
 
 
 def test_one_core_measures_unpinned_lanes_and_restores_the_caller() -> None:
@@ -42,6 +51,7 @@ def test_two_cores_measure_pinned_lanes_at_the_given_beta() -> None:
     cores = sorted(os.sched_getaffinity(0))[:2]
     got = measure_split_gain(net, x, beta=0.4, repeats=2, cores=cores)
     assert (got.cores, got.pinned, got.beta) == (2, True, 0.4)
+    assert got.in_turn_one_s > 0
 
 
 def test_bad_repetitions_are_refused() -> None:

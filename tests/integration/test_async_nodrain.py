@@ -6,10 +6,14 @@ equal `reference_train_async` over one stream from round 0, and differ from a
 pipeline drained at every window (the replay with a drain point per round) by
 far more than the tolerance. A recovered run restarts the stream at the round
 the recovery re-assigned (a drain point) and equals the replay with that drain.
-Held-out evaluation between windows runs on the weights at the cut.
+Held-out evaluation between windows runs on the weights at the cut. A
+restarted coordinator goes on from its last committed round, another drain point.
 """
 
 from __future__ import annotations
+
+import signal
+import time
 
 import pytest
 
@@ -126,5 +130,51 @@ def test_a_recovered_stream_equals_its_replay_with_the_recovery_as_drain_point(
     assert_matches_reference(weights, ref)
     assert_losses_match(losses[:drain] + losses[-(rounds - drain) :], ref_losses)
     unbroken, _ = reference_train_async(MODEL, 7, BATCH, m, k0s, rounds, SGD, aggregate_every=2)
+    key, gap = weight_difference(weights, unbroken)
+    assert gap > DRAINED_GAP, f"only {gap:.3g} (at {key}) from a replay without the drain point"
+
+
+def test_a_resumed_stream_equals_its_replay_with_the_resume_as_drain_point(
+    tmp_path, redis_url, cluster_name, budget, store
+):
+    """The coordinator is killed mid-job and resumed: the workers restart the stream there."""
+    m, rounds = 4, 8
+    plan = {"global_batch": BATCH, "microbatches": m, "stages": DEPTH4}
+    job = {
+        "job_id": "nodrain-resume",
+        "model": MODEL,
+        "seed": 7,
+        "rounds": rounds,
+        "optimizer": SGD,
+        "mode": "async",
+        "checkpoint_every": 0,
+    }
+    cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
+    try:
+        for name in ("a", "b", "c", "d"):
+            cluster.spawn(name, ["-m", "services.worker.main", "--device", name])
+            cluster.workers.append(name)
+        cluster.start_coordinator(job, plan)
+        deadline = time.monotonic() + budget.left(120)
+        while int(store.get_fields("job", "nodrain-resume").get("round", 0)) < 3:
+            assert time.monotonic() < deadline, cluster.log_tail("coordinator")
+            time.sleep(0.01)
+        cluster.procs["coordinator"].send_signal(signal.SIGKILL)
+        cluster.procs["coordinator"].wait(timeout=10)
+        cluster.start_coordinator(job, plan, name="again", resume=True)
+        assert cluster.wait("again", budget.left(150)) == ExitCode.OK, cluster.log_tail("again")
+        cluster.wait_workers_exit(names=["a", "b", "c", "d"])
+    finally:
+        cluster.close()
+    events = store.read("events", "nodrain-resume")
+    drain = [e for e in events if e["event"] == "running"][-1]["round"]
+    assert 3 <= drain < rounds, events
+    weights = load_full_state(store, "nodrain-resume", rounds)
+    losses = {x["round"]: x["loss"] for x in store.read("metrics", "nodrain-resume") if "loss" in x}
+    k0 = Plan.model_validate(plan).warmup(0)
+    ref, ref_losses = reference_train_async(MODEL, 7, BATCH, m, k0, rounds, SGD, drains=(0, drain))
+    assert_matches_reference(weights, ref)
+    assert_losses_match([losses[r] for r in range(rounds)], ref_losses)
+    unbroken, _ = reference_train_async(MODEL, 7, BATCH, m, k0, rounds, SGD)
     key, gap = weight_difference(weights, unbroken)
     assert gap > DRAINED_GAP, f"only {gap:.3g} (at {key}) from a replay without the drain point"

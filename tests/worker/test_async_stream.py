@@ -135,3 +135,18 @@ def test_what_runs_ahead_stays_within_the_planners_in_flight_count(store):
     for pool in pipe.pools.values():  # the last window runs nothing ahead: all let go
         assert (pool.resident_bytes(), pool.saved_bytes) == (0, 0)
     assert pipe.out.dropped == []
+
+
+def test_the_threaded_round_loop_runs_ahead_and_carries_it_over(store):
+    """`run_round` (one thread per device, real waits) leaves forwards of the next window."""
+    rounds = 3
+    pipe = async_pipeline(store, 4, rounds)
+    for r in range(rounds):
+        pipe.run("run_round", r)
+        streams = {n: runner.stream for n, runner in pipe.runners.items()}
+        # the first stage always has its next window's inputs: K_0 - 1 of them ran ahead
+        ahead = {n: sorted(s.ahead.ctx) if s and s.ahead else [] for n, s in streams.items()}
+        assert ahead["a"] == ([0, 1, 2] if r + 1 < rounds else []), ahead
+        assert ahead["c"] == [], ahead
+    ref, _ = reference_train_async(MODEL, 7, BATCH, 4, pipe.plan.warmup(0), rounds, SGD)
+    assert_matches_reference(pipe.weights(), ref)

@@ -390,9 +390,7 @@ def test_a_device_whose_measured_pair_is_no_faster_is_not_split(gain: float | No
     assert ("not measured" if gain is None else f"{gain:+.1%}") in why["b"]
     shares = split_devices(plan.model_copy(update={"stages": split_specs(cost, plan)}))
     assert shares["b"] is None
-    # the planner never splits it either, whatever the simulator prefers for the other
-    chosen = get_planner("duanwu").plan(cost, 16, 4)
-    assert all(a.forward_share is None for s in chosen.stages for a in s.devices if a.device == "b")
+    assert shares["a"] == clip_beta(DuanWuPlanner.betas(cost, plan)["a"])
 
 
 def test_a_device_with_a_measured_gain_is_split_with_the_models_beta() -> None:
@@ -410,9 +408,3 @@ def test_a_device_with_a_measured_gain_is_split_with_the_models_beta() -> None:
         )
         assert share == clip_beta(betas[d]) == pytest.approx(f / (f + b))
         assert share == pytest.approx(1 / 3)  # backward twice the forward: F / (F + 2F)
-
-
-def test_no_device_with_a_measured_gain_means_the_planner_never_splits() -> None:
-    cost = _two_device_cost({"a": None, "b": -0.05})
-    plan = get_planner("duanwu").plan(cost, 16, 4)
-    assert set(split_devices(plan).values()) == {None}

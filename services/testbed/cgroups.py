@@ -15,12 +15,7 @@ own cgroup when it may create children there (outer limits keep binding), else
 at the root of the hierarchy. ``root`` exists for tests on a fake tree.
 
 A device may also be given cores of its own (``cpus``, e.g. "0-1"): a group in
-the cpuset hierarchy, made only for such devices, so the worker's affinity
-is those cores and Duan & Wu's lanes can each be pinned to one of them
-(`services.worker.lanes`). On v1 every cpuset level starts empty and refuses
-processes, so the levels above the device get their parent's cores and memory
-nodes, the device its own cores, and its leaves the device's; on v2 the
-controller is handed down and the device's ``cpuset.cpus`` set.
+the cpuset hierarchy, made only for such devices (`services.testbed.cpusets`).
 """
 
 from __future__ import annotations
@@ -30,10 +25,16 @@ import errno
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from common.errors import AsteroidError
+from services.testbed.cgroup_files import PARENT, CgroupError, Hierarchy
+from services.testbed.cgroup_files import field as _field
+from services.testbed.cgroup_files import own_paths as _own_paths
+from services.testbed.cgroup_files import pids as _pids
+from services.testbed.cgroup_files import read as _read
+from services.testbed.cgroup_files import read_int as _read_int
+from services.testbed.cgroup_files import write as _write
+from services.testbed.cpusets import cpuset_hierarchy, make_cpuset
 
 __all__ = [
     "CONTROLLERS",
@@ -49,9 +50,6 @@ __all__ = [
     "remove_trees",
 ]
 
-PARENT = "asteroid-testbed"
-"""Directory holding every testbed's groups, in each hierarchy."""
-
 CONTROLLERS = ("cpu", "memory", "freezer")
 """What a device needs: a CPU quota, a memory limit and pausing."""
 
@@ -59,44 +57,6 @@ ROLES = ("worker", "profiler")
 """Leaves of a device group, one per kind of process it runs."""
 
 _UNLIMITED = 1 << 60
-
-
-class CgroupError(AsteroidError):
-    """A cgroup could not be created, configured or removed; the message names the file."""
-
-
-@dataclass(frozen=True)
-class Hierarchy:
-    """Where one controller's groups live.
-
-    Attributes:
-        controller: "cpu", "memory" or "freezer".
-        version: 1 or 2.
-        mount: The hierarchy's mount point.
-        own: This process's cgroup in that hierarchy (a path below `mount`).
-
-    """
-
-    controller: str
-    version: int
-    mount: Path
-    own: Path
-
-
-def _own_paths(root: Path) -> tuple[str, dict[str, str]]:
-    """(v2 path, {v1 controller: path}) of this process, from /proc/self/cgroup."""
-    v2, v1 = "/", {}
-    with contextlib.suppress(OSError):
-        for line in (root / "proc/self/cgroup").read_text().splitlines():
-            parts = line.split(":", 2)
-            if len(parts) != 3:
-                continue
-            if parts[0] == "0" and parts[1] == "":
-                v2 = parts[2]
-            else:
-                for c in parts[1].split(","):
-                    v1[c] = parts[2]
-    return v2, v1
 
 
 def hierarchies(root: Path = Path("/")) -> dict[str, Hierarchy]:
@@ -141,25 +101,6 @@ def hierarchies(root: Path = Path("/")) -> dict[str, Hierarchy]:
     return out
 
 
-def cpuset_hierarchy(root: Path = Path("/")) -> Hierarchy | None:
-    """The cpuset controller's hierarchy (a v1 mount wins over v2), None where it has none."""
-    base = root / "sys/fs/cgroup"
-    v2_path, v1_paths = _own_paths(root)
-    with contextlib.suppress(OSError):
-        for d in sorted(base.iterdir()):
-            if (
-                d.is_dir()
-                and "cpuset" in d.name.split(",")
-                and not (d / "cgroup.controllers").exists()
-            ):
-                return Hierarchy("cpuset", 1, d, d / v1_paths.get("cpuset", "/").lstrip("/"))
-    for cand in (base, base / "unified"):
-        with contextlib.suppress(OSError):
-            if "cpuset" in (cand / "cgroup.controllers").read_text().split():
-                return Hierarchy("cpuset", 2, cand, cand / v2_path.lstrip("/"))
-    return None
-
-
 def cpu_period_quota(cpu: float) -> tuple[int, int]:
     """CFS (period, quota) in microseconds giving `cpu` cores.
 
@@ -172,45 +113,6 @@ def cpu_period_quota(cpu: float) -> tuple[int, int]:
         raise CgroupError(f"cpu must be positive cores, got {cpu}")
     period = 10_000 if cpu >= 0.1 else 100_000
     return period, max(1000, round(cpu * period))
-
-
-def _write(path: Path, value: str) -> None:
-    try:
-        path.write_text(value)
-    except OSError as exc:
-        raise CgroupError(f"cannot write {value!r} to {path}: {exc}") from exc
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as exc:
-        raise CgroupError(f"cannot read {path}: {exc}") from exc
-
-
-def _read_or_empty(path: Path) -> str:
-    """The file's stripped text, "" where it does not exist (yet)."""
-    return _read(path).strip() if path.exists() else ""
-
-
-def _read_int(path: Path) -> int:
-    raw = _read(path).strip()
-    return int(raw) if raw.isdigit() else 0
-
-
-def _field(text: str, name: str) -> int:
-    """The value of line `name N` in a flat-keyed cgroup file (0 when absent)."""
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == name and value.strip().isdigit():
-            return int(value)
-    return 0
-
-
-def _pids(group: Path) -> list[int]:
-    with contextlib.suppress(OSError):
-        return [int(p) for p in (group / "cgroup.procs").read_text().split()]
-    return []
 
 
 def _v2_wanted(h: Hierarchy) -> list[str]:
@@ -323,36 +225,8 @@ class DeviceCgroup:
         for role in roles:
             self._limit_memory(self.group("memory") / role, memory_bytes)
         if cpus is not None:
-            self._create_cpuset(cpus, roles)
-
-    def _create_cpuset(self, cpus: str, roles: tuple[str, ...]) -> None:
-        """The device's cpuset group on cores `cpus` (a kernel list such as "0-1")."""
-        h = self.cpuset_h
-        base = self.base("cpuset")
-        assert h is not None  # base() raised otherwise
-        g = base / PARENT / self.tag / self.device
-        if h.version == 2:
-            d = base
-            for part in (PARENT, self.tag, self.device):
-                _write(d / "cgroup.subtree_control", "+cpuset")
-                d = d / part
-                d.mkdir(exist_ok=True)
-            _write(g / "cpuset.cpus", cpus)
-            for role in roles:
-                (g / role).mkdir(exist_ok=True)
-            return
-        parent = base
-        for d in (base / PARENT, base / PARENT / self.tag, g, *(g / r for r in roles)):
-            try:
-                d.mkdir(exist_ok=True)
-            except OSError as exc:
-                raise CgroupError(f"cannot create cgroup {d}: {exc}") from exc
-            mine = cpus if d == g else _read(parent / "cpuset.cpus").strip()
-            if d == g or not _read_or_empty(d / "cpuset.cpus"):
-                _write(d / "cpuset.cpus", mine)
-            if not _read_or_empty(d / "cpuset.mems"):
-                _write(d / "cpuset.mems", _read(parent / "cpuset.mems").strip())
-            parent = d
+            assert self.cpuset_h is not None  # base() raised otherwise
+            make_cpuset(self.cpuset_h, self.base("cpuset"), self.tag, self.device, cpus, roles)
 
     def cpus(self) -> str | None:
         """The device's cores as the kernel lists them, None where it has no cores of its own."""

@@ -10,8 +10,9 @@ workers inside emulated devices (namespace, shaped link, CPU quota, memory limit
 Eco-FL's regime (`fl_homes_setup`): home speeds several-fold apart, rounds of seconds,
 and one home throttled half-way through every run. The federation service runs inside
 a device of its own whose link (`--wan`) every home<->federation transfer crosses.
-Each strategy runs for the same budget on the federation's clock (or until its
-updates are done). Outputs: DIR/results.md, DIR/results.json, DIR/curves.png.
+Each strategy runs for the same budget from the end of its warm-up round (every
+home's cold start), or until its updates are done.
+Outputs: DIR/results.md, DIR/results.json, DIR/curves.png.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         args.strategies = tuple(s for s in args.strategies if s in ("ecofl", "fedavg"))
     if args.budget is None:
-        args.budget = 40.0 if args.quick else 80.0
+        args.budget = 25.0 if args.quick else 40.0
     if args.budget <= 0 or args.updates < 1 or not args.strategies:
         parser.error("--budget and --updates must be positive, and a strategy is needed")
     return args

@@ -45,6 +45,23 @@ def curve_of(entries: Sequence[dict[str, Any]]) -> tuple[list[float], list[float
     return times, accs, versions
 
 
+def warmup_end(entries: Sequence[dict[str, Any]]) -> float | None:
+    """The federation's clock when its warm-up round (every home's cold start) ended."""
+    return next((float(e["time_s"]) for e in entries if e.get("group") == -1), None)
+
+
+def since_warmup(entries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The entries from the warm-up round's end on, their times counted from it.
+
+    Every strategy's warm-up is the same round of all homes, their cold starts
+    included; the comparison starts from the first global model it gives.
+    """
+    warm = warmup_end(entries)
+    if warm is None:
+        return []
+    return [{**e, "time_s": float(e["time_s"]) - warm} for e in entries if e["time_s"] >= warm]
+
+
 def regroup_events(entries: Sequence[dict[str, Any]]) -> list[tuple[float, int, str, int | None]]:
     """(time_s, home, what, group) of every regrouping the federation reported."""
     out = []
@@ -176,7 +193,8 @@ def write_outputs(out: Path, header: dict[str, Any], results: Sequence[RunResult
         f"the median of a home's last {LATENCY_WINDOW} rounds, {REGROUP_DWELL} consecutive "
         "rounds out of band to move",
         f"- every run: home {SLOW_HOME}'s devices drop to {SLOW_CPU:g} cores at half the budget",
-        "- times are seconds since the federation service started (homes start before it);"
+        "- times are seconds since the warm-up round (all homes, their cold starts) ended,"
+        " the same round for every strategy; budget and throttle count from there;"
         " accuracy is the global model's on the held-out digits; speed ratio and round noise"
         " (p90 of |round time / the home's median - 1|) are measured before the throttle",
         "",

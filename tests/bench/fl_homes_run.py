@@ -23,7 +23,13 @@ from typing import Any
 
 import yaml
 
-from tests.bench.fl_homes_report import curve_of, regroup_events, round_latencies
+from tests.bench.fl_homes_report import (
+    curve_of,
+    regroup_events,
+    round_latencies,
+    since_warmup,
+    warmup_end,
+)
 from tests.bench.fl_homes_setup import (
     FED_DEVICE,
     FED_PORT,
@@ -182,17 +188,21 @@ class Bench:
         fid: str,
         stop: threading.Event,
     ) -> None:
-        """Until the federation exits, the budget is spent or the bench is stopped."""
+        """Until the federation exits, the budget is spent or the bench is stopped.
+
+        The budget and the throttle count from the warm-up round's end.
+        """
         from common.store import Store
 
         budget, started = float(self.args.budget), time.monotonic()
-        zero: float | None = None  # monotonic time of the federation's clock's 0
+        zero: float | None = None  # monotonic time of the warm-up round's end
         store = Store(self.redis_url, cluster)
         try:
             while not stop.is_set():
                 entries = store.read("fl-metrics", fid)
-                if zero is None and entries:
-                    zero = time.monotonic() - float(entries[-1]["time_s"])
+                warm = warmup_end(entries)
+                if zero is None and warm is not None:
+                    zero = time.monotonic() - (float(entries[-1]["time_s"]) - warm)
                 now = 0.0 if zero is None else time.monotonic() - zero
                 if spec.slowdown and result.slowed_at_s is None and now >= budget / 2:
                     for n, _, _ in HOMES[SLOW_HOME].devices:
@@ -223,6 +233,8 @@ class Bench:
             entries = store.read("fl-metrics", fid)
         finally:
             store.close()
+        result.warmup_s = warmup_end(entries)
+        entries = since_warmup(entries)
         result.times, result.accuracies, result.versions = curve_of(entries)
         result.regroups = regroup_events(entries)
         result.latencies = round_latencies(entries)

@@ -24,9 +24,9 @@ MODEL: dict[str, Any] = {
     "num_classes": 10,
     "options": {"channels": 1, "size": 8, "width": 16, "hidden": 64},
 }
-OPTIMIZER: dict[str, Any] = {"kind": "sgd", "lr": 0.1, "momentum": 0.0}
+OPTIMIZER: dict[str, Any] = {"kind": "sgd", "lr": 0.2, "momentum": 0.0}
 BATCH = 64
-LOCAL_ROUNDS = 40
+LOCAL_ROUNDS = 30
 """Local rounds (one batch each) per home round: seconds on the fastest home."""
 FED_PORT = 5600
 """The federation's port inside its device (plus the run's index: no TIME_WAIT clash)."""
@@ -60,7 +60,7 @@ SPEED_RATIO = max(c for h in HOMES for _, _, c in h.devices) / min(
     c for h in HOMES for _, _, c in h.devices
 )
 FED_DEVICE = ("fed", "server", 0.25)
-STARTUP_CPU = 0.5
+STARTUP_CPU = 1.0
 """Every device's quota while its processes start (torch's import at 0.06 cores takes
 most of a minute); the home's own quota is set before the federation starts."""
 SLOW_HOME = 1
@@ -97,6 +97,7 @@ class RunResult:
     regroups: list[tuple[float, int, str, int | None]] = field(default_factory=list)
     latencies: list[tuple[float, int, float]] = field(default_factory=list)
     slowed_at_s: float | None = None
+    warmup_s: float | None = None
     wall_s: float = 0.0
     state: str = "done"
     note: str = ""

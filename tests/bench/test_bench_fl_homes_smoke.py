@@ -16,8 +16,10 @@ from tests.bench.fl_homes_report import (
     round_latencies,
     row,
     save,
+    since_warmup,
     table,
     time_to,
+    warmup_end,
     write_outputs,
 )
 from tests.bench.fl_homes_setup import (
@@ -65,11 +67,11 @@ def _plain_first(entries: list[dict[str, Any]], target: float) -> float | None:
 
 def test_arguments_and_the_runs_they_plan() -> None:
     full = parse_args([])
-    assert full.out == Path("bench-results/fl-homes") and full.budget == 80.0
+    assert full.out == Path("bench-results/fl-homes") and full.budget == 40.0
     assert not full.quick and full.deadline == "" and full.alphas == (0.1,)
     assert full.strategies == STRATEGIES
     quick = parse_args(["--quick", "--deadline", "13:45"])
-    assert quick.budget == 40.0 and quick.deadline == "13:45"
+    assert quick.budget == 25.0 and quick.deadline == "13:45"
     assert quick.strategies == ("ecofl", "fedavg")
     assert parse_args(["--quick", "--budget", "30"]).budget == 30.0
     both = parse_args(["--alphas", "0.1,0.5", "--strategies", "fedat,ecofl"])
@@ -111,6 +113,15 @@ def test_curve_drops_probe_rounds_and_times_to_target_match_a_plain_scan() -> No
     lats = round_latencies(entries)
     assert len(lats) == 2 * (len(entries) - 1) and (3.0, 0, 2.0) not in lats  # warm-up out
     assert lats[:2] == [(0.0, 0, 1.0), (0.0, 1, 4.0)]
+
+
+def test_times_count_from_the_warm_up_rounds_end() -> None:
+    entries = _entries()
+    assert warmup_end(entries) == 3.0
+    after = since_warmup(entries)
+    assert [e["time_s"] for e in after] == [3.0 * i - 3.0 for i in range(1, len(entries))]
+    assert [e["version"] for e in after] == [e["version"] for e in entries[1:]]
+    assert since_warmup([e for e in entries if e["group"] != -1]) == []
 
 
 def test_regime_measures_speed_ratio_and_noise_against_a_plain_computation() -> None:

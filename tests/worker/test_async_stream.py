@@ -29,12 +29,19 @@ DEPTH3 = [
     {"start": 5, "end": 7, "devices": [{"device": "c"}]},
 ]
 
+BATCH_NORM = {"name": "mobilenet_v2", "options": {"width_mult": 0.25}}  # 20 layers
+BATCH_NORM_STAGES = [
+    {"start": 0, "end": 7, "devices": [{"device": "a"}]},
+    {"start": 7, "end": 14, "devices": [{"device": "b"}]},
+    {"start": 14, "end": 20, "devices": [{"device": "c"}]},
+]
 
-def async_pipeline(store, m, rounds, every=0):
+
+def async_pipeline(store, m, rounds, every=0, model=MODEL, stages=DEPTH3):
     job = JobSpec.model_validate(
         {
             "job_id": "stream",
-            "model": MODEL,
+            "model": model,
             "seed": 7,
             "rounds": rounds,
             "optimizer": SGD,
@@ -42,7 +49,7 @@ def async_pipeline(store, m, rounds, every=0):
             "aggregate_every": every,
         }
     )
-    return LocalPipeline(store, job, Plan(global_batch=BATCH, microbatches=m, stages=DEPTH3))
+    return LocalPipeline(store, job, Plan(global_batch=BATCH, microbatches=m, stages=stages))
 
 
 @pytest.mark.parametrize(("m", "every"), [(4, 0), (8, 0), (4, 2), (8, 3)])
@@ -81,20 +88,24 @@ def test_stages_forward_the_next_window_before_their_round_ends(store, monkeypat
     assert pipe.out.dropped == []
 
 
-def test_the_live_state_at_each_round_end_is_a_consistent_cut(store):
+@pytest.mark.parametrize(
+    ("model", "stages"), [(MODEL, DEPTH3), (BATCH_NORM, BATCH_NORM_STAGES)], ids=["cnn", "bn"]
+)
+def test_the_live_state_at_each_round_end_is_a_consistent_cut(store, model, stages):
     """Forwards run ahead change no weight and no batch-norm statistic before their window.
 
     The stream's first R windows are a job of R rounds (a constant learning
-    rate), so at each round end the live state must equal that shorter replay.
+    rate), so at each round end the live state (weights and batch-norm
+    statistics) must equal that shorter replay.
     """
-    rounds = 4
-    pipe = async_pipeline(store, 4, rounds, every=2)
+    rounds = 3
+    pipe = async_pipeline(store, 4, rounds, every=2, model=model, stages=stages)
     k0 = pipe.plan.warmup(0)
     for r in range(rounds):
         pipe.run_lockstep(r)
         assert pipe.runners["a"].stream is not None
         assert (pipe.runners["a"].stream.ahead is None) == (r + 1 == rounds)
-        ref, _ = reference_train_async(MODEL, 7, BATCH, 4, k0, r + 1, SGD, aggregate_every=2)
+        ref, _ = reference_train_async(model, 7, BATCH, 4, k0, r + 1, SGD, aggregate_every=2)
         assert_matches_reference(pipe.weights(), ref, what=f"the live state after round {r}")
 
 

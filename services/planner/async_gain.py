@@ -62,9 +62,10 @@ class AsyncGain:
         sync_window_s: Fill, 1F1B steady state and drain (the simulator's
             round), then the slowest finishing stage's optimizer step.
         async_window_s: M times the bottleneck stage's forward, backward and update.
-        sync_bubble: The share of the sync window's device time (all stages)
-            spent not computing forwards and backwards: fill, drain, waits for
-            slower stages and the step.
+        sync_bubble: The share of the sync window its bottleneck stage spends
+            not computing forwards and backwards (fill, drain, the step): what
+            a pipeline that never drains removes, so that with free updates
+            async is 1 / (1 - sync_bubble) times faster.
         bottleneck: The stage that paces async.
 
     """
@@ -104,8 +105,8 @@ def _gain(
         if e.kind in ("B", "allreduce"):
             ends[e.device] = max(ends[e.device], e.end)
     sync_s = max(ends[n] + st.step_s for n, st in zip(names, stages, strict=True))
-    busy = sum(microbatches * (st.forward_s + st.backward_s) for st in stages)
-    bubble = 1.0 - busy / (len(stages) * sync_s) if sync_s > 0 else 0.0
+    busy = microbatches * max(st.forward_s + st.backward_s for st in stages)
+    bubble = 1.0 - busy / sync_s if sync_s > 0 else 0.0
     per_mb = [st.forward_s + st.backward_s + st.update_s for st in stages]
     bottleneck = max(range(len(stages)), key=per_mb.__getitem__)
     return AsyncGain(microbatches, sync_s, microbatches * per_mb[bottleneck], bubble, bottleneck)

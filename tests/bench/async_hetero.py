@@ -6,8 +6,9 @@ the model's layers (`HETERO_MODEL`, profiled once on the host) balanced by
 each device's speed (the host's times over its CPU quota). The job may adapt
 (`services.coordinator.adapt`): the plan's cluster and profile are stored
 where the coordinator reads the cluster a job was planned for, so measured
-speeds have layer costs to move partition points by. Mid-run the fastest
-device's quota is cut to `HETERO_CUT` of its own (a thermal throttle): both
+speeds have layer costs to move partition points by. Mid-run the quota of the
+device holding the most layers is cut to `HETERO_CUT` of its own (a thermal
+throttle; a device with one layer has nothing to give away): both
 modes should re-partition, async's new Assign being a drain point of its
 stream. Reported: samples/s before the throttle, throttled, after the
 re-partition, and every re-partition event.
@@ -108,7 +109,9 @@ def hetero_part(
     return runs
 
 
-def throttle_for(cpus: Mapping[str, float], at: int) -> Throttle:
-    """The fastest device's quota cut to `HETERO_CUT` of its own once `at` rounds commit."""
-    device = max(HETERO_DEVICES, key=lambda d: cpus.get(d, 0.0))
+def throttle_for(cpus: Mapping[str, float], cuts: Sequence[int], at: int) -> Throttle:
+    """The device holding the most layers (it has layers to give away) cut to `HETERO_CUT`
+    of its quota once `at` rounds commit; of equals, the later in the pipeline."""
+    held = {d: cuts[i + 1] - cuts[i] for i, d in enumerate(HETERO_DEVICES)}
+    device = max(reversed(HETERO_DEVICES), key=lambda d: held[d])
     return Throttle(at, device, cpus[device] * HETERO_CUT)

@@ -1,7 +1,8 @@
 """Asynchronous pipelining without a drain (PipeDream, FTPipeHD) against synchronous.
 
     python -m tests.bench.bench_async [--out DIR] [--reps N] [--rounds N]
-        [--hetero-rounds N] [--acc-rounds N] [--quick] [--deadline HH:MM]   (root)
+        [--hetero-rounds N] [--acc-rounds N] [--lr-reference] [--quick]
+        [--deadline HH:MM]   (root)
 
 Four emulated devices of the env-d preset (`services.testbed.spec`: a TX2-like
 device at 0.5 cores and three Nano-like ones at 0.177; network namespaces,
@@ -19,14 +20,15 @@ async/sync ratio: the ratio `services.planner.async_gain` predicts from the
 same runs' stage timings, and sync's predicted bubble.
 
 Part 2, a heterogeneous pipeline with the dynamic partition on (`async_hetero`):
-sync, then async, on a plan balanced for the devices' speeds, the fastest
-device throttled to a third mid-run; samples/s before, throttled and after
+sync, then async, on a plan balanced for the devices' speeds, the device with
+the most layers throttled to a third mid-run; samples/s before, throttled and after
 the re-partition, and the re-partition events.
 
 Part 3, held-out accuracy against wall clock over windows of 16 micro-batches:
 sync, async and async with FTPipeHD's weight aggregation, `--acc-rounds`
-rounds each with an evaluation every `--eval-every` rounds; one more sync run
-at M times the learning rate is a reference row (full runs only).
+rounds each with an evaluation every `--eval-every` rounds; with
+`--lr-reference`, one more sync run at M times the learning rate is a
+reference row.
 
 Outputs: DIR/table.md, DIR/results.json, DIR/throughput.png, DIR/accuracy.png;
 process logs under DIR/logs. The testbed (namespaces, links, cgroups), its
@@ -42,6 +44,7 @@ import platform
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results/async"))
     parser.add_argument("--reps", type=int, default=2, help="repetitions of each throughput run")
     parser.add_argument("--rounds", type=int, default=8, help="rounds of a throughput run")
-    parser.add_argument("--hetero-rounds", type=int, default=30, help="rounds of a part 2 run")
-    parser.add_argument("--acc-rounds", type=int, default=60, help="rounds of an accuracy run")
+    parser.add_argument("--hetero-rounds", type=int, default=50, help="rounds of a part 2 run")
+    parser.add_argument("--acc-rounds", type=int, default=40, help="rounds of an accuracy run")
+    parser.add_argument(
+        "--lr-reference", action="store_true", help="part 3 also runs sync at M x the rate"
+    )
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     parser.add_argument("--quick", action="store_true", help="one rep, fewer rounds, M 4 and 16")
     parser.add_argument("--deadline", default="", help="UTC HH:MM: start no run after it")
@@ -122,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         tput = throughput_configs(windows)
         runs += throughput_part(runner, STAGE_DEVICES, args.rounds, args.reps, past, save, tput)
         cpus = {d.name: d.cpu for d in spec.devices}
-        throttle = throttle_for(cpus, THROTTLE_AT)
         memory = {d.name: d.memory_bytes for d in spec.devices}
-        extras, cuts = extras_for(profile, cpus, memory, throttle)
+        extras, cuts = extras_for(profile, cpus, memory, None)
+        throttle = throttle_for(cpus, cuts, THROTTLE_AT)
+        extras = replace(extras, throttle=throttle)
         header["hetero_plan"] = " | ".join(
             f"layers {cuts[i]}-{cuts[i + 1]}: {d}" for i, d in enumerate(HETERO_DEVICES)
         )
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{throttle.device} to {throttle.cpu:.3f} cores after round {throttle.at}"
         )
         runs += hetero_part(runner, extras, cuts, args.hetero_rounds, past, save)
-        acc = accuracy_configs(len(STAGE_DEVICES))[: 3 if args.quick else 4]
+        acc = accuracy_configs(len(STAGE_DEVICES))[: 4 if args.lr_reference else 3]
         runs += accuracy_part(
             runner, STAGE_DEVICES, args.acc_rounds, args.eval_every, past, save, acc
         )

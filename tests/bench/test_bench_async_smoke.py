@@ -18,7 +18,7 @@ from services.planner.async_gain import predict
 from tests.bench import async_jobs as aj
 from tests.bench import async_report as ar
 from tests.bench import async_runs as ars
-from tests.bench.async_hetero import extras_for, hetero_part, host_profile
+from tests.bench.async_hetero import extras_for, hetero_part, host_profile, throttle_for
 from tests.bench.async_runners import LocalRunner
 
 pytestmark = pytest.mark.integration
@@ -91,6 +91,10 @@ def test_the_heterogeneous_plan_gives_the_faster_device_more_layers() -> None:
     work = [sum(layer[a:b]) for a, b in itertools.pairwise(cuts)]
     assert work[0] == max(work)  # tx2-0, about 3x a Nano, holds the most work
     assert extras.cluster.device("tx2-0").slowdown == pytest.approx(2.0)
+    held = [b - a for a, b in itertools.pairwise(cuts)]
+    throttle = throttle_for(cpus, cuts, 8)  # a device with layers to give away
+    assert held[aj.HETERO_DEVICES.index(throttle.device)] == max(held) > 1
+    assert throttle.cpu == pytest.approx(cpus[throttle.device] * aj.HETERO_CUT)
 
 
 def test_a_tiny_run_writes_every_output(tmp_path: Path, redis_url: str) -> None:

@@ -18,7 +18,7 @@ def test_an_unbalanced_pipeline_by_hand() -> None:
     assert gain.sync_window_s == 10.0
     assert gain.async_window_s == 8.0  # 2 x stage 1's 4 s, no fill or drain
     assert gain.bottleneck == 1
-    assert gain.sync_bubble == pytest.approx(1 - (2 * 2 + 2 * 4) / (2 * 10))
+    assert gain.sync_bubble == pytest.approx(1 - 2 * 4 / 10)  # stage 1 idles 2 s of 10
     assert gain.speedup == pytest.approx(1.25) and gain.pays
 
 
@@ -28,7 +28,7 @@ def test_steps_end_the_sync_window_and_updates_pace_async() -> None:
     gain = predict(stages, 4)
     assert gain.sync_window_s == 15.5
     assert gain.async_window_s == 4 * 3.25
-    assert gain.sync_bubble == pytest.approx(1 - 24 / 31)
+    assert gain.sync_bubble == pytest.approx(1 - 12 / 15.5)
 
 
 @pytest.mark.parametrize(("s", "m"), [(2, 4), (4, 4), (4, 16), (4, 64), (3, 1)])
@@ -37,6 +37,7 @@ def test_balanced_stages_have_the_textbook_bubble(s: int, m: int) -> None:
     assert gain.sync_window_s == pytest.approx((m + s - 1) * 0.75)
     assert gain.sync_bubble == pytest.approx((s - 1) / (m + s - 1))
     assert gain.speedup == pytest.approx((m + s - 1) / m)
+    assert gain.speedup == pytest.approx(1 / (1 - gain.sync_bubble))  # free updates
 
 
 def test_expensive_updates_make_async_lose_at_many_micro_batches() -> None:

@@ -61,9 +61,11 @@ from tests.bench.async_jobs import (
     throughput_configs,
 )
 from tests.bench.async_report import save_json, write_outputs
-from tests.bench.async_runners import testbed_runner
+from tests.bench.async_runners import SUBNET, testbed_runner
 from tests.bench.async_runs import Run, accuracy_part, throughput_part
 from tests.bench.deadline import deadline_check
+
+__all__ = ["SUBNET", "main"]
 
 THROTTLE_AT = 8
 """Part 2: rounds committed before the throttle (after `adapt.ADAPT_AFTER`'s baseline)."""

@@ -186,7 +186,7 @@ def write_outputs(out: Path, header: dict[str, Any], results: Sequence[RunResult
         "over 2 devices; each home's links at its own rate",
         f"- federation: its own device ({FED_DEVICE[2]:g} cores), link {header.get('wan', '')}"
         ", crossed by every home<->federation transfer; coordinators on the host side",
-        f"- per run: {header.get('budget', '')} s budget on the federation's clock or "
+        f"- per run: {header.get('budget', '')} s budget from the warm-up round's end or "
         f"{header.get('updates', '')} updates; {LOCAL_ROUNDS} local rounds of batch {BATCH} "
         f"per home round, sgd lr {OPTIMIZER['lr']}; digits, Dirichlet alpha, split seed 0",
         f"- band (every strategy's spec; only ecofl regroups): RT^g = {RT_FRACTION:g} L^g on "
@@ -229,7 +229,7 @@ def write_plot(path: Path, results: Sequence[RunResult]) -> None:
             for t, _, _, _ in r.regroups:
                 ax.plot([t], [0.05], "x", color=line.get_color())
         ax.set_title(f"{title}; home {SLOW_HOME} throttled at the dotted line")
-        ax.set_xlabel("wall-clock s since the federation started")
+        ax.set_xlabel("wall-clock s since the warm-up round ended")
         ax.set_ylabel("held-out accuracy")
         ax.set_ylim(0, 1)
         ax.legend(fontsize=8)

@@ -54,6 +54,7 @@ from services.planner.duanwu_split import (
     clip_beta,
     log_split,
     optimal_beta,
+    split_cost,
     split_peaks,
     split_reasons,
     split_specs,
@@ -75,6 +76,7 @@ __all__ = [
     "concurrent_round",
     "initial_grouping",
     "optimal_beta",
+    "split_cost",
     "split_peaks",
     "split_reasons",
     "split_specs",
@@ -546,7 +548,7 @@ class DuanWuPlanner(Planner):
             split = fitted.model_copy(update={"stages": split_specs(cost, fitted)})
             variants = (split, fitted) if split != fitted else (fitted,)
             for variant in variants:  # the split only where the simulator says it pays
-                res = _round(variant, cost)
+                res = _round(variant, split_cost(cost, variant))
                 candidates.append((INF if res is None else res.round_s, list(variant.stages)))
         failures: list[str] = []
         for _, specs in sorted(candidates, key=lambda c: c[0]):
@@ -555,7 +557,7 @@ class DuanWuPlanner(Planner):
             except PlanDoesNotFit as exc:
                 failures.extend(exc.violations)
                 continue
-            res = simulate(plan, cost)
+            res = simulate(plan, split_cost(cost, plan))
             log_split(cost, plan)
             return plan.model_copy(
                 update={

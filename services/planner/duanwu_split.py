@@ -13,6 +13,8 @@ simulator choose between the split plan and the unsplit one.
 
 from __future__ import annotations
 
+import dataclasses
+
 from common.logging import get_logger
 from common.plan import Plan, StageSpec
 from services.planner.cost import CostModel
@@ -24,6 +26,7 @@ __all__ = [
     "clip_beta",
     "log_split",
     "optimal_beta",
+    "split_cost",
     "split_devices",
     "split_peaks",
     "split_reasons",
@@ -112,6 +115,31 @@ def split_reasons(cost: CostModel, plan: Plan) -> dict[str, str | None]:
             else:
                 out[a.device] = None
     return out
+
+
+def split_cost(cost: CostModel, plan: Plan) -> CostModel:
+    """`cost` as the simulator should score `plan`: each splitting device sped up by its gain.
+
+    The simulator's split model (a phase on a share s takes its whole-device
+    time over s) makes a pair on the lanes last F + B at the optimal beta, no
+    shorter than the two in turn. A device's measured gain says how much shorter
+    the pair really is, so while it splits its phases take 1 / (1 + gain) of
+    their time. Devices that do not split, or gained nothing, are as they were.
+    """
+    faster: dict[str, float] = {}
+    for spec in plan.stages:
+        for a in spec.devices:
+            gain = cost.profile(a.device).split_gain
+            if a.forward_share is not None and gain is not None and gain > 0:
+                faster[a.device] = 1.0 + gain
+    if not faster:
+        return cost
+    devices = [
+        d.model_copy(update={"slowdown": d.slowdown / faster[d.name]}) if d.name in faster else d
+        for d in cost.cluster.devices
+    ]
+    cluster = cost.cluster.model_copy(update={"devices": devices})
+    return dataclasses.replace(cost, cluster=cluster, _prefix={})
 
 
 def split_specs(cost: CostModel, plan: Plan) -> list[StageSpec]:

@@ -25,7 +25,7 @@ from typing import Any
 from common.plan import Plan
 from common.profile import ClusterSpec, DeviceSpec, Profile
 from services.planner.cost import CostModel
-from services.planner.duanwu import split_reasons, split_specs
+from services.planner.duanwu import split_cost, split_reasons, split_specs
 from services.planner.simulator import simulate
 from services.worker.split_gain import layer_range, measure_split_gain, with_split_gain
 from tests.bench.duanwu_split_common import MODELS, fmt
@@ -137,7 +137,8 @@ def planner_variant(cost: CostModel, plan: Plan, rows: Sequence[StageGain]) -> t
     allowed = [a.device for s in split.stages for a in s.devices if a.forward_share is not None]
     if not allowed:
         return plan, "no device's measured gain clears the margin: nothing split"
-    s_split, s_plain = simulate(split, gcost).round_s, simulate(plan, gcost).round_s
+    s_split = simulate(split, split_cost(gcost, split)).round_s
+    s_plain = simulate(plan, gcost).round_s
     said = f"gains allow {', '.join(allowed)}; simulated round {s_split:.2f} s split"
     if s_split < s_plain:
         return split, f"{said} < {s_plain:.2f} s unsplit: split"

@@ -28,6 +28,7 @@ from services.planner.duanwu import (
     concurrent_round,
     initial_grouping,
     optimal_beta,
+    split_cost,
     split_peaks,
     split_reasons,
     split_specs,
@@ -408,3 +409,29 @@ def test_a_device_with_a_measured_gain_is_split_with_the_models_beta() -> None:
         )
         assert share == clip_beta(betas[d]) == pytest.approx(f / (f + b))
         assert share == pytest.approx(1 / 3)  # backward twice the forward: F / (F + 2F)
+
+
+def test_the_simulator_scores_a_splitting_device_at_its_measured_speed() -> None:
+    cost = _two_device_cost({"a": 1.0, "b": None})
+    plan = _two_stage_plan(cost)
+    assert split_cost(cost, plan) is cost  # nothing splits: nothing to rescore
+    split = plan.model_copy(update={"stages": split_specs(cost, plan)})
+    scored = split_cost(cost, split)
+    slow = {d.name: d.slowdown for d in scored.cluster.devices}
+    assert slow == {"a": 0.5, "b": 1.0}  # "a" gained 100 %: a pair in half the time
+    assert scored.compute("a", 0, 2, 4, "F") == pytest.approx(cost.compute("a", 0, 2, 4, "F") / 2)
+
+
+@pytest.mark.parametrize(("gain", "splits"), [(None, False), (0.01, False), (1.0, True)])
+def test_the_planner_splits_where_the_measured_gain_shortens_the_round(
+    gain: float | None, splits: bool
+) -> None:
+    unsplit = get_planner("duanwu").plan(_two_device_cost({"a": None, "b": None}), 16, 4)
+    plan = get_planner("duanwu").plan(_two_device_cost({"a": gain, "b": gain}), 16, 4)
+    shares = list(split_devices(plan).values())
+    assert shares == ([pytest.approx(1 / 3)] * 2 if splits else [None, None])
+    assert plan.predicted_round_s is not None and unsplit.predicted_round_s is not None
+    if splits:
+        assert plan.predicted_round_s < unsplit.predicted_round_s
+    else:
+        assert plan.predicted_round_s == unsplit.predicted_round_s

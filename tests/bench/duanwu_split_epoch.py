@@ -35,7 +35,13 @@ from common.profile import ClusterSpec, DeviceSpec, Profile
 from common.zoo import ModelSpec
 from services.planner.base import stage
 from services.planner.cost import CostModel
-from services.planner.duanwu import DuanWuPlanner, StageTerms, algorithm1, clip_beta
+from services.planner.duanwu import (
+    DuanWuPlanner,
+    StageTerms,
+    algorithm1,
+    clip_beta,
+    split_cost,
+)
 from tests.bench.async_runs import samples_per_s
 from tests.bench.duanwu_split_common import (
     DEVICE_CORES,
@@ -52,6 +58,7 @@ from tests.bench.duanwu_split_gain import (
     StageGain,
     decide,
     device_gain,
+    gain_cost,
     planner_variant,
     stage_gains,
 )
@@ -237,8 +244,8 @@ def plan_rows(
     for model, (cost, plan) in plans.items():
         for name, (p, betas) in variants(cost, plan, (planner or {}).get(model)).items():
             row = EpochRow(model, name, betas, [(s.start, s.end) for s in p.stages])
-            if sim or betas is None:
-                row.sim_samples_per_s = simulated_samples_per_s(p, cost)
+            if sim or betas is None:  # a splitting device at its measured speed, if any
+                row.sim_samples_per_s = simulated_samples_per_s(p, split_cost(cost, p))
             out.append((row, p))
     return out
 
@@ -304,14 +311,16 @@ class EpochBench:
         with Testbed(self.spec, logs / "testbed") as bed:
             bed.up(services=False)
             planner: dict[str, Plan] = {}
+            scored: dict[str, tuple[CostModel, Plan]] = {}
             for model, (cost, plan) in plans.items():
                 rows = stage_gains(model, plan)
                 for r in rows:
                     device_gain(bed, r, gain_repeats)
                 decide(cost, plan, rows, "device")
                 planner[model], self.choices[model] = planner_variant(cost, plan, rows)
+                scored[model] = (gain_cost(cost, {r.device: r.gain("device") for r in rows}), plan)
                 gains += rows
-            todo = plan_rows(plans, planner)
+            todo = plan_rows(scored, planner)
             epochs = [r for r, _ in todo]
             if written is not None:
                 written(gains, epochs)

@@ -69,7 +69,8 @@ NOTES = [
     "priority over this machine's other load (results.json has the load average at each "
     "run). 'planner' is left out where it equals plain or split. The simulator scores the "
     "same plans from a profile measured here at one thread, each device slowed by 1 / its "
-    "quota. Paper (Fig. 5, simulated, depth 4): 5.7 % shorter epochs for AlexNet, 7.3 % for "
+    "quota and, where it splits, sped up by its gain measured in the device (as the planner "
+    "scores it). Paper (Fig. 5, simulated, depth 4): 5.7 % shorter epochs for AlexNet, 7.3 % for "
     "GoogLeNet. 'vs plain': how much shorter than plain (negative: longer).",
 ]
 

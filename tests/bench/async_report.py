@@ -155,9 +155,10 @@ def write_outputs(out: Path, header: dict[str, Any], runs: Sequence[Run]) -> Non
         f"- testbed: {header.get('testbed', '')}",
         f"- part 1 plan: {header.get('plan', '')}; K_0 by window M: {header.get('k0', '')}",
         f"- part 2 plan: {header.get('hetero_plan', '')}; throttle: {header.get('throttle', '')}",
-        f"- model fl_cnn on digits (held-out split), seed {SEED}, micro-batch {MICRO}, "
-        f"sgd lr {LR:g} momentum 0 in every compared mode (the `lr x{ACC_WINDOW}` row is a "
-        "reference: sync at the step M async updates add up to)",
+        f"- parts 1 and 3: fl_cnn on digits (held-out split), seed {SEED}, micro-batch {MICRO}, "
+        f"sgd lr {LR:g} momentum 0 in every compared mode (an `lr x{ACC_WINDOW}` row, if any, "
+        "is a reference: sync at the step M async updates add up to); part 2: an 8-layer mlp "
+        "on synthetic data, adapt on",
         f"- throughput: {header.get('rounds', '')} rounds a run, first skipped, median round; "
         "predicted ratio: sync's simulated window (measured forward, backward, step) over "
         "M x async's measured bottleneck (forward, backward, update); bubble only: the "

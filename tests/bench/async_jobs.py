@@ -37,9 +37,26 @@ EVAL_EVERY = 5
 AGGREGATE_K0_MULTIPLE = 1
 """aggregate_every = this times K_0 (FTPipeHD: a multiple of the concurrent versions);
 updates are counted per window, so it stays at most the window."""
+HEAVY_MODEL: dict[str, Any] = {
+    "name": "fl_cnn",
+    "num_classes": 10,
+    "options": {"channels": 3, "size": 32, "width": 32, "hidden": 64},
+}
+"""Part 1's heavy-layer set: the same four layers at CIFAR's size (3x32x32 images, FedAvg's
+width of 32 and 64 channels), the regime of PipeDream and FTPipeHD: a conv layer's forward
+and backward per micro-batch (about 12 ms for the second conv at micro-batch 8 on one host
+core, some 25 ms on the TX2-like device's half core) is large against its 51 k parameters,
+whose step and snapshot take well under a millisecond. The hidden layer stays narrow (64,
+not FedAvg's 512): at 512 it holds 2.1 M parameters, whose per-micro-batch update on a
+Nano-like quota would be a layer whose update, not its compute, is what costs."""
+HEAVY_DATA: dict[str, Any] = {"kind": "synthetic"}
+"""Synthetic images of the model's input shape (`common.data.SyntheticImages`): the
+throughput runs do not evaluate, and digits are 8x8."""
+HEAVY_WINDOWS = (4, 16)
+"""The heavy set's windows: sync's bubble is largest at small M."""
 STAGE_DEVICES = ("nano-0", "tx2-0", "nano-1", "nano-2")
 """Stage i (layer i) runs on STAGE_DEVICES[i]: the second conv block, by far the
-heaviest layer, on the fastest device."""
+heaviest layer in both of part 1's sets, on the fastest device."""
 
 HETERO_MODEL: dict[str, Any] = {
     "name": "mlp",
@@ -80,9 +97,9 @@ def k0(devices: int, microbatches: int) -> int:
     return max(1, min(2 * devices - 1, microbatches))
 
 
-def throughput_configs(windows: Sequence[int] = WINDOWS) -> list[Config]:
-    """Part 1's configurations: sync and async at each window."""
-    return [Config(f"{mode} M={m}", mode, m) for m in windows for mode in ("sync", "async")]
+def throughput_configs(windows: Sequence[int] = WINDOWS, prefix: str = "") -> list[Config]:
+    """Part 1's configurations: sync and async at each window (names start with `prefix`)."""
+    return [Config(f"{prefix}{mode} M={m}", mode, m) for m in windows for mode in ("sync", "async")]
 
 
 def hetero_configs() -> list[Config]:

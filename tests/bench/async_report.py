@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from services.planner.async_gain import predict
-from tests.bench.async_jobs import ACC_WINDOW, LR, MICRO, SEED, TARGET
-from tests.bench.async_runs import Run, stage_costs, time_to
+from tests.bench.async_jobs import ACC_WINDOW, HEAVY_MODEL, LR, MICRO, SEED, TARGET
+from tests.bench.async_runs import THROUGHPUT_SETS, Run, stage_costs, time_to
 
 TOLERANCE = 0.15
 """The issue's bound on measured against predicted ratio (relative)."""
@@ -55,9 +55,10 @@ def predicted(runs: Sequence[Run], m: int) -> dict[str, float | None]:
     }
 
 
-def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
-    """Per window of part 1: medians of both modes, measured and predicted ratio."""
-    mine = [r for r in runs if r.part == "throughput"]
+def throughput_rows(runs: Sequence[Run], part: str = "throughput") -> list[dict[str, Any]]:
+    """Per window of one set of part 1 (`THROUGHPUT_SETS`): medians of both modes,
+    measured and predicted ratio."""
+    mine = [r for r in runs if r.part == part]
     out: list[dict[str, Any]] = []
     for m in sorted({r.microbatches for r in mine}):
         at = [r for r in mine if r.microbatches == m]
@@ -75,6 +76,7 @@ def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
         )
         out.append(
             {
+                "set": part,
                 "microbatches": m,
                 "global_batch": MICRO * m,
                 "sync": sync,
@@ -95,17 +97,19 @@ def throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
 def table(runs: Sequence[Run]) -> list[str]:
     """table.md's three tables."""
     lines = [
-        "| M | sync samples/s | async samples/s | measured async/sync | predicted async/sync "
-        f"| sync bubble (predicted) | bubble only | within {TOLERANCE:.0%} |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | M | sync samples/s | async samples/s | measured async/sync "
+        "| predicted async/sync | sync bubble (predicted) | bubble only "
+        f"| within {TOLERANCE:.0%} |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in throughput_rows(runs):
+    for r in all_throughput_rows(runs):
         reps = "; ".join(
             ", ".join(f"{x:.0f}" for x in r[k]) or "-" for k in ("sync_reps", "async_reps")
         )
         within = {True: "yes", False: "no", None: "-"}[r["within"]]
         lines.append(
-            f"| {r['microbatches']} | {_f(r['sync'])} | {_f(r['async'])} "
+            f"| {THROUGHPUT_SETS[r['set']]} | {r['microbatches']} | {_f(r['sync'])} "
+            f"| {_f(r['async'])} "
             f"| {_f(r['measured_ratio'], '.2f')} | {_f(r['predicted_ratio'], '.2f')} "
             f"| {_f(r['sync_bubble'], '.0%')} | {_f(r['bubble_only_ratio'], '.2f')} "
             f"| {within} (reps {reps}) |"
@@ -155,6 +159,8 @@ def write_outputs(out: Path, header: dict[str, Any], runs: Sequence[Run]) -> Non
         f"- testbed: {header.get('testbed', '')}",
         f"- part 1 plan: {header.get('plan', '')}; K_0 by window M: {header.get('k0', '')}",
         f"- part 2 plan: {header.get('hetero_plan', '')}; throttle: {header.get('throttle', '')}",
+        f"- part 1, heavy layers: fl_cnn at CIFAR's size ({HEAVY_MODEL['options']}) on "
+        "synthetic images, same plan, windows, seed and optimizer",
         f"- parts 1 and 3: fl_cnn on digits (held-out split), seed {SEED}, micro-batch {MICRO}, "
         f"sgd lr {LR:g} momentum 0 in every compared mode (an `lr x{ACC_WINDOW}` row, if any, "
         "is a reference: sync at the step M async updates add up to); part 2: an 8-layer mlp "
@@ -177,8 +183,17 @@ def write_outputs(out: Path, header: dict[str, Any], runs: Sequence[Run]) -> Non
     plot_accuracy(out / "accuracy.png", runs)
 
 
+def all_throughput_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """`throughput_rows` of every set of part 1, in `THROUGHPUT_SETS`' order."""
+    return [row for part in THROUGHPUT_SETS for row in throughput_rows(runs, part)]
+
+
 def save_json(out: Path, header: dict[str, Any], runs: Sequence[Run]) -> None:
-    data = {**header, "throughput": throughput_rows(runs), "runs": [asdict(r) for r in runs]}
+    data = {
+        **header,
+        "throughput": all_throughput_rows(runs),
+        "runs": [asdict(r) for r in runs],
+    }
     (out / "results.json").write_text(json.dumps(data, indent=1))
 
 
@@ -188,17 +203,20 @@ def plot_throughput(path: Path, runs: Sequence[Run]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = throughput_rows(runs)
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    rows = all_throughput_rows(runs)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["sync"] or 0 for r in rows], 0.4, label="sync")
     ax.bar([x + 0.2 for x in xs], [r["async"] or 0 for r in rows], 0.4, label="async")
     for x, r in zip(xs, rows, strict=True):
         if r["sync"] and r["predicted_ratio"]:
             ax.plot([x + 0.2], [r["sync"] * r["predicted_ratio"]], "k_", markersize=18)
-    ax.set_xticks(list(xs), [f"M={r['microbatches']}" for r in rows])
+    names = {"throughput": "light", "heavy": "heavy"}
+    ax.set_xticks(
+        list(xs), [f"{names.get(r['set'], r['set'])}\nM={r['microbatches']}" for r in rows]
+    )
     ax.set_ylabel("samples/s (median; -: predicted async)")
-    ax.set_title("same plan, same micro-batch (env-d, 4 stages)")
+    ax.set_title("same plan, same micro-batch (env-d, 4 stages); fl_cnn light / heavy layers")
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.planner.async_gain import StageCost
-from tests.bench.async_jobs import LR, Config, job_for, plan_for
+from tests.bench.async_jobs import DATA, LR, MODEL, Config, job_for, plan_for
 from tests.bench.async_runners import Extras, Outcome
 from tests.bench.recovery_jobs import stages_text
 
@@ -70,6 +70,15 @@ class Runner(Protocol):
     def __call__(
         self, label: str, job: dict[str, Any], plan: dict[str, Any]
     ) -> tuple[int | None, list[dict[str, Any]], list[dict[str, Any]]]: ...
+
+
+THROUGHPUT_SETS = {
+    "throughput": "fl_cnn, 8x8 digits (light layers)",
+    "heavy": "fl_cnn, 3x32x32 synthetic images (heavy layers)",
+}
+"""Part 1's sets of rows by their runs' `part`: the same plan, micro-batch and windows'
+meaning, a model whose layers are light (their update is not small against their
+compute) and one whose layers are heavy against their parameters."""
 
 
 # --- metrics -> numbers ----------------------------------------------------------
@@ -199,8 +208,15 @@ def throughput_part(
     past: Callable[[], bool] = lambda: False,
     save: Callable[[list[Run]], None] = lambda _: None,
     configs: Sequence[Config] | None = None,
+    *,
+    part: str = "throughput",
+    model: Mapping[str, Any] = MODEL,
+    data: Mapping[str, Any] = DATA,
 ) -> list[Run]:
-    """Part 1: every configuration `reps` times, interleaved (rep 0 of each, then rep 1...)."""
+    """Part 1: every configuration `reps` times, interleaved (rep 0 of each, then rep 1...).
+
+    `part` names the set of rows (`THROUGHPUT_SETS`) that trains `model` on `data`.
+    """
     from tests.bench.async_jobs import throughput_configs
 
     runs: list[Run] = []
@@ -208,9 +224,9 @@ def throughput_part(
         for cfg in configs or throughput_configs():
             if past():
                 continue
-            job = job_for(cfg, "tput", rounds)
+            job = job_for(cfg, "tput", rounds, model=model, data=data)
             plan = plan_for(devices, cfg.microbatches)
-            runs.append(run_one(runner, "throughput", cfg, rep, job, plan)[0])
+            runs.append(run_one(runner, part, cfg, rep, job, plan)[0])
             save(runs)
     return runs
 

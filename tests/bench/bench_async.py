@@ -1,7 +1,7 @@
 """Asynchronous pipelining without a drain (PipeDream, FTPipeHD) against synchronous.
 
-    python -m tests.bench.bench_async [--out DIR] [--reps N] [--rounds N]
-        [--hetero-rounds N] [--acc-rounds N] [--lr-reference] [--quick]
+    python -m tests.bench.bench_async [--out DIR] [--reps N] [--heavy-reps N]
+        [--rounds N] [--hetero-rounds N] [--acc-rounds N] [--lr-reference] [--quick]
         [--deadline HH:MM]   (root)
 
 Four emulated devices of the env-d preset (`services.testbed.spec`: a TX2-like
@@ -12,12 +12,17 @@ Redis runs on the testbed's bridge. Same seed and optimizer (plain SGD at one
 learning rate) in every compared mode.
 
 Part 1, throughput at the same plan (`async_jobs.STAGE_DEVICES`: one layer of
-`fl_cnn` per stage, the heaviest on the fastest device), sync and async at 4,
-16 and 64 micro-batches per window (same micro-batch), `--reps` times,
-interleaved. Samples/s is the global batch over the median round of the
-coordinator's round metrics, the first round skipped. Beside the measured
-async/sync ratio: the ratio `services.planner.async_gain` predicts from the
-same runs' stage timings, and sync's predicted bubble.
+`fl_cnn` per stage, the heaviest on the fastest device), sync and async at the
+same micro-batch, in two sets of rows: light layers (`fl_cnn` on 8x8 digits,
+sub-millisecond layers whose per-micro-batch update is not small against them)
+at 4, 16 and 64 micro-batches per window, `--reps` times; heavy layers
+(`async_jobs.HEAVY_MODEL`: the same net at CIFAR's 3x32x32, a conv layer's
+compute large against its parameters, PipeDream's and FTPipeHD's regime) at 4
+and 16, `--heavy-reps` times; each set interleaved. Samples/s is the global
+batch over the median round of the coordinator's round metrics, the first
+round skipped. Beside the measured async/sync ratio: the ratio
+`services.planner.async_gain` predicts from the same runs' stage timings, and
+sync's predicted bubble.
 
 Part 2, a heterogeneous pipeline with the dynamic partition on (`async_hetero`):
 sync, then async, on a plan balanced for the devices' speeds, the device with
@@ -52,6 +57,9 @@ from tests.bench.async_hetero import extras_for, hetero_part, host_profile, thro
 from tests.bench.async_jobs import (
     ACC_WINDOW,
     EVAL_EVERY,
+    HEAVY_DATA,
+    HEAVY_MODEL,
+    HEAVY_WINDOWS,
     HETERO_DEVICES,
     LAYERS,
     STAGE_DEVICES,
@@ -78,7 +86,8 @@ def _terminate(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results/async"))
-    parser.add_argument("--reps", type=int, default=2, help="repetitions of each throughput run")
+    parser.add_argument("--reps", type=int, default=1, help="repetitions of a light-layer run")
+    parser.add_argument("--heavy-reps", type=int, default=2, help="repetitions of a heavy run")
     parser.add_argument("--rounds", type=int, default=8, help="rounds of a throughput run")
     parser.add_argument("--hetero-rounds", type=int, default=50, help="rounds of a part 2 run")
     parser.add_argument("--acc-rounds", type=int, default=40, help="rounds of an accuracy run")
@@ -86,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         "--lr-reference", action="store_true", help="part 3 also runs sync at M x the rate"
     )
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
-    parser.add_argument("--quick", action="store_true", help="one rep, fewer rounds, M 4 and 16")
+    parser.add_argument(
+        "--quick", action="store_true", help="one rep, fewer rounds, M 4 and 16, heavy M 4"
+    )
     parser.add_argument("--deadline", default="", help="UTC HH:MM: start no run after it")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -94,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _terminate)
     windows = WINDOWS[:2] if args.quick else WINDOWS
+    heavy_windows = HEAVY_WINDOWS[:1] if args.quick else HEAVY_WINDOWS
     if args.quick:
-        args.reps, args.rounds, args.hetero_rounds, args.acc_rounds = 1, 5, 20, 20
+        args.reps, args.heavy_reps = 1, 1
+        args.rounds, args.hetero_rounds, args.acc_rounds = 5, 20, 20
     command = "python -m tests.bench.bench_async " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
@@ -104,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
         "rounds": args.rounds,
+        "reps": args.reps,
+        "heavy_reps": args.heavy_reps,
         "hetero_rounds": args.hetero_rounds,
         "acc_rounds": args.acc_rounds,
         "eval_every": args.eval_every,
@@ -129,6 +144,18 @@ def main(argv: list[str] | None = None) -> int:
         header["plan"] = " | ".join(f"layer {i}: {d}" for i, d in enumerate(STAGE_DEVICES))
         tput = throughput_configs(windows)
         runs += throughput_part(runner, STAGE_DEVICES, args.rounds, args.reps, past, save, tput)
+        runs += throughput_part(
+            runner,
+            STAGE_DEVICES,
+            args.rounds,
+            args.heavy_reps,
+            past,
+            save,
+            throughput_configs(heavy_windows, "heavy "),
+            part="heavy",
+            model=HEAVY_MODEL,
+            data=HEAVY_DATA,
+        )
         cpus = {d.name: d.cpu for d in spec.devices}
         memory = {d.name: d.memory_bytes for d in spec.devices}
         extras, cuts = extras_for(profile, cpus, memory, None)

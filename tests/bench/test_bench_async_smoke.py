@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from services.planner.async_gain import predict
 from tests.bench import async_jobs as aj
@@ -63,6 +64,36 @@ def test_pure_parts_read_metrics_and_build_plans() -> None:
     assert agg and agg[0].aggregate_every % k0 == 0 and agg[0].aggregate_every <= aj.ACC_WINDOW
     assert k0 < aj.ACC_WINDOW  # forwards on stale versions: async differs from a scaled sync
     assert [c.microbatches for c in aj.throughput_configs()] == [4, 4, 16, 16, 64, 64]
+    heavy = aj.throughput_configs(aj.HEAVY_WINDOWS, "heavy ")
+    assert [c.name for c in heavy[:2]] == ["heavy sync M=4", "heavy async M=4"]
+    assert {c.global_batch // c.microbatches for c in heavy} == {aj.MICRO}  # same micro-batch
+
+
+def test_the_heavy_set_is_the_same_pipeline_with_heavier_layers() -> None:
+    """Both sets of part 1 run one layer per stage on the same plan; the heavy set's
+    layers do far more compute per parameter, as in PipeDream's and FTPipeHD's convs."""
+    from common.data import dataset_for
+    from common.zoo import ModelSpec, build_model
+
+    light = build_model(ModelSpec.model_validate(aj.MODEL), 0)
+    heavy = build_model(ModelSpec.model_validate(aj.HEAVY_MODEL), 0)
+    assert len(light.layers) == len(heavy.layers) == aj.LAYERS
+    assert heavy.input.shape == (3, 32, 32)
+    images, _ = dataset_for(heavy, aj.SEED).batch(torch.arange(aj.MICRO))
+    assert tuple(images.shape) == (aj.MICRO, 3, 32, 32)
+
+    def macs_per_param(model: Any, stage: int) -> float:
+        x = torch.zeros(1, *model.input.shape)
+        for layer in model.layers[:stage]:
+            x = layer(x)
+        conv = model.layers[stage].conv
+        out = conv(x)
+        params = sum(p.numel() for p in conv.parameters())
+        return float(out[0, 0].numel() * conv.weight[0].numel() * conv.out_channels / params)
+
+    # the second conv (the bottleneck stage): each weight is used at 16x16 positions
+    # against 4x4 on digits
+    assert macs_per_param(heavy, 1) > 10 * macs_per_param(light, 1)
 
 
 def test_the_report_predicts_from_the_runs_own_timings() -> None:
@@ -100,17 +131,29 @@ def test_the_heterogeneous_plan_gives_the_faster_device_more_layers() -> None:
 def test_a_tiny_run_writes_every_output(tmp_path: Path, redis_url: str) -> None:
     runner = LocalRunner(redis_url, tmp_path / "logs", timeout_s=60)
     sync, asy = aj.throughput_configs()[:2]
+    heavy = aj.throughput_configs((4,), "heavy ")
     try:
         runs = ars.throughput_part(runner, DEVICES, rounds=3, reps=1, configs=[sync, asy])
+        runs += ars.throughput_part(
+            runner,
+            DEVICES,
+            rounds=3,
+            reps=1,
+            configs=heavy,
+            part="heavy",
+            model=aj.HEAVY_MODEL,
+            data=aj.HEAVY_DATA,
+        )
         agg = [c for c in aj.accuracy_configs(len(DEVICES)) if c.aggregate_every]
         runs += ars.accuracy_part(runner, DEVICES, rounds=4, eval_every=2, configs=agg)
     finally:
         runner.forget()
-    assert [r.note for r in runs] == ["", "", ""]
+    assert [r.note for r in runs] == ["", "", "", "", ""]
     for r in runs:
         assert r.samples_per_s is not None and r.samples_per_s > 0, r
         assert len(r.rounds_s) >= 3
-    assert [len(r.stages) for r in runs[:2]] == [2, 2]  # both stages' timings, each run
+    assert [len(r.stages) for r in runs[:4]] == [2, 2, 2, 2]  # both stages' timings, each run
+    assert [r.part for r in runs[:4]] == ["throughput", "throughput", "heavy", "heavy"]
     assert all(t["forward_s"] > 0 and t["backward_s"] > 0 for r in runs for t in r.stages)
     acc = runs[-1]
     assert acc.part == "accuracy" and acc.aggregate_every > 0
@@ -122,11 +165,14 @@ def test_a_tiny_run_writes_every_output(tmp_path: Path, redis_url: str) -> None:
     for name in ("table.md", "results.json", "throughput.png", "accuracy.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0, name
     data = json.loads((tmp_path / "out" / "results.json").read_text())
-    (row,) = data["throughput"]
-    assert row["microbatches"] == 4 and row["sync"] > 0 and row["async"] > 0
-    assert row["predicted_ratio"] > 0 and 0 < row["sync_bubble"] < 1
+    assert [row["set"] for row in data["throughput"]] == ["throughput", "heavy"]
+    for row in data["throughput"]:
+        assert row["microbatches"] == 4 and row["sync"] > 0 and row["async"] > 0
+        assert row["predicted_ratio"] > 0 and 0 < row["sync_bubble"] < 1
     table = (tmp_path / "out" / "table.md").read_text()
-    assert "| 4 |" in table and "async+agg" in table
+    for name in ars.THROUGHPUT_SETS.values():
+        assert f"| {name} | 4 |" in table
+    assert "async+agg" in table
 
 
 def test_a_heterogeneous_run_may_adapt_and_reports_its_phases(

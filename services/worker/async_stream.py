@@ -19,6 +19,21 @@ Versions are counted over the stream from its drain point, the round where the
 stage's stream started fresh (the Assign's from_round: job start, resume,
 recovery, re-partition): micro-batch i of round r has stream index
 g = (r - drain) * M + i, and runs on `common.async_versions.version_for(g)`.
+
+An update's cost: a stage updates after every micro-batch, so what an update
+does besides the optimizer's step is paid M times a window and decides whether
+async beats sync's bubble. It takes the gradients off the stashed version, steps
+(the learning rate is set once per window), and copies the new version into a
+stash slot a dropped version gave back (`WeightStash`); it checks nothing. The
+live weights are checked once per window, before RoundDone, which still keeps
+inf and nan from every replica, checkpoint and committed round (they all read
+the live weights at a round's end or later): a non-finite gradient makes the
+weights it updates non-finite (w - lr * nan is nan, w - lr * inf is inf, Adam's
+moments turn nan), later updates keep them so (nan and inf absorb any finite
+step, inf - inf is nan), an aggregation's mean with a non-finite version is
+non-finite, and every later version derives from the live weights. What leaves
+a stage before the window's end (activations, gradients, the loss) is still
+checked per micro-batch where it is made.
 """
 
 from __future__ import annotations

@@ -323,6 +323,8 @@ class StageRunner:
         timeout, redis_outage_s): standing still then is not a hang of this device."""
         self.stash = WeightStash(self.module) if assign.job.mode == "async" else None
         """async: the weight versions micro-batches in flight and to come run on."""
+        self._lr_round = -1
+        """async: the round whose learning rate the optimizer holds (set once per window)."""
         self.k0 = min(plan.warmup(0), self.m)
         """The first stage's warm-up, which fixes every micro-batch's version (vertical sync)."""
         every = assign.job.aggregate_every
@@ -517,6 +519,8 @@ class StageRunner:
         s0 = time.perf_counter()
         if self.stash is None:
             self._step(round_no)
+        else:
+            self._check_window(round_no)
         if self.fail_at is not None:
             self.fail_at.check(round_no, "step")
         t["allreduce_s"] = s0 - a0
@@ -587,30 +591,44 @@ class StageRunner:
     def _update(self, state: RoundState, mb: int, stash: WeightStash) -> None:
         """async: apply micro-batch `mb`'s gradients (of its stashed version) to the weights.
 
-        Then stash the new version, aggregate when due, and drop the versions no
-        micro-batch in flight or still to come runs on. Backwards arrive in
-        micro-batch order (each stage runs them in order), which the version
-        arithmetic relies on.
+        Then aggregate when due, drop the versions no micro-batch in flight or
+        still to come runs on, and stash the new version. Backwards arrive in
+        micro-batch order, which the version arithmetic relies on. It checks
+        nothing: the window does, at its end (`async_stream`, "An update's cost").
+        An async stage is alone in its group: the module is `master`.
         """
         stream = self.stream
         if stream is None or mb != state.done_b:
             raise RuntimeError(f"async backward of micro-batch {mb} out of order")
         grads = stash.take_grads(state.used.pop(mb))
-        for param, grad in zip(self.module.parameters(), grads, strict=True):
+        for param, grad in zip(stash.live, grads, strict=True):
             param.grad = grad
-        self._step(state.round_no)
+        if self._lr_round != state.round_no:  # the schedule moves once per window
+            self._lr_round = state.round_no
+            lr = learning_rate(self.assign.job.optimizer, state.round_no, self.total_rounds)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.optimizer.step()
+        for param in stash.live:
+            param.grad = None
+        self._advance()
         stream.version += 1
-        stash.snapshot(stream.version)
         stream.updated = [*stream.updated, stream.version][-self.k0 :]
         g = (state.round_no - stream.drain) * self.m + mb  # aggregation counts the stream
         if aggregates_after(g, stream.every, self.m):
-            mean = stash.mean_of(stream.updated)
-            with torch.no_grad():
-                for name, param in self.module.named_parameters():
-                    param.copy_(mean[name])
+            # the next aggregation comes `every` updates or more later: it averages the
+            # version just made again only if that is fewer than K_0 updates
+            stash.aggregate(stream.updated, keep_last=stream.every < self.k0)
             stream.version += 1
-            stash.snapshot(stream.version)
         stash.keep({*state.used.values(), *stream.needed(state.next_f, state.round_no)})
+        stash.snapshot(stream.version)
+
+    def _check_window(self, round_no: int) -> None:
+        """async: check the live weights once per window, before RoundDone (`async_stream`: why)."""
+        require_finite(
+            self.master.named_parameters(),
+            f"the weights of stage {self.p} after the updates of round {round_no}",
+        )
 
     def _decide(
         self, round_no: int, next_f: int, ctx: dict[int, Any], policy: str

@@ -11,7 +11,9 @@ single-process replay of the stream (`reference_train_async`).
 from __future__ import annotations
 
 import pytest
+import torch
 
+from common.errors import NonFiniteError
 from common.job import JobSpec
 from common.memory_model import stashed_copies
 from common.plan import Plan
@@ -85,6 +87,9 @@ def test_stages_forward_the_next_window_before_their_round_ends(store, monkeypat
     # the planner's count of stashed versions bounds what each stage really held
     bound = stashed_copies(k0, bool(every))
     assert 0 < max(stashed.values()) <= bound, (stashed, bound)
+    # and the slots the snapshots are copied into, which are never given back
+    slots = {name: runner.stash.slots for name, runner in pipe.runners.items()}
+    assert 0 < max(slots.values()) <= bound, (slots, bound)
     assert pipe.out.dropped == []
 
 
@@ -161,3 +166,31 @@ def test_the_threaded_round_loop_runs_ahead_and_carries_it_over(store):
         assert ahead["c"] == [], ahead
     ref, _ = reference_train_async(MODEL, 7, BATCH, 4, pipe.plan.warmup(0), rounds, SGD)
     assert_matches_reference(pipe.weights(), ref)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_fails_its_window_naming_the_stage(store, monkeypatch, bad):
+    # updates are not checked one by one: the weights are, once per window, before
+    # RoundDone; a bad gradient at micro-batch 1 must still fail that very round
+    m = 4
+    pipe = async_pipeline(store, m, rounds=3)
+    last = pipe.runners["c"]
+    take = WeightStash.take_grads
+    taken: list[int] = []
+
+    def poisoned(self, version):
+        grads = take(self, version)
+        if self is last.stash:
+            taken.append(version)
+            if len(taken) == m + 2:  # micro-batch 1 of round 1
+                grads = [g if g is None else torch.full_like(g, bad) for g in grads]
+        return grads
+
+    monkeypatch.setattr(WeightStash, "take_grads", poisoned)
+    pipe.run_lockstep(0)
+    # the last stage runs nothing ahead and, with K_0 = 3, no forward of round 1 runs on
+    # the updated version: only the window's check sees it
+    want = r"the weights of stage 2 after the updates of round 1 \(.*\) is not finite"
+    with pytest.raises(NonFiniteError, match=want):
+        pipe.run_lockstep(1)
+    assert len(taken) == 2 * m

@@ -18,7 +18,13 @@ from services.cli.console import shown
 from services.cli.jobs import ClusterOpt, RedisOpt, console, open_store
 from services.cli.metrics import fail
 
-__all__ = ["federation", "rounds_table"]
+__all__ = ["federation", "rounds_table", "unheld_warnings"]
+
+
+def unheld_warnings(entries: list[dict[str, Any]]) -> list[str]:
+    """The first round's warning that Eco-FL's band cannot hold some homes (none: [])."""
+    found = (e.get("unheld") for e in entries)
+    return [str(u["warning"]) for u in found if isinstance(u, dict) and "warning" in u][:1]
 
 
 def _regroups(entry: dict[str, Any]) -> str:
@@ -74,6 +80,8 @@ def federation(
         )
         if entries:
             console.print(f"groups {entries[-1].get('groups')}, out {entries[-1].get('dropped')}")
+            for warning in unheld_warnings(entries):
+                console.print(f"[yellow]warning:[/yellow] {shown(warning)}")
             console.print(rounds_table(entries, last))
         if out is not None:
             blob = store.get_blob("fl-model", fid)

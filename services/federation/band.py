@@ -15,13 +15,28 @@ churns groups and wastes rounds on probes. Two knobs, both pure on plain numbers
 
 ``window = dwell = 1`` is Algorithm 1 as published. A real, sustained change of
 latency still regroups, after at most ``window // 2 + dwell`` of its measurements.
+
+`unheld_homes` tells, right after the groups are formed, which homes no band holds:
+with steady latencies Algorithm 1 drops them (they only probe), and at strong label
+skew their classes go missing from the global model. Homes spread evenly over a wide
+range, rather than in clusters each narrower than the band, are the case.
 """
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from common.errors import ConfigError
 
-__all__ = ["MAX_WINDOW", "check_band", "median", "pushed", "settle_bound"]
+__all__ = [
+    "MAX_WINDOW",
+    "Unheld",
+    "check_band",
+    "median",
+    "pushed",
+    "settle_bound",
+    "unheld_homes",
+]
 
 MAX_WINDOW = 1000
 """Most measurements a home's judged latency may look back on, and most dwell."""
@@ -62,3 +77,85 @@ def pushed(recent: Sequence[float], latency: float, window: int) -> tuple[float,
 def settle_bound(window: int, dwell: int) -> int:
     """Most measurements after a sustained change before the home changes group."""
     return window // 2 + dwell
+
+
+@dataclass(frozen=True)
+class Unheld:
+    """Homes that no group's band holds at their measured latency: Algorithm 1 drops them.
+
+    Attributes:
+        homes: ``(home, latency)`` of each such home, by id.
+        rt_fraction: The band, ``RT^g = rt_fraction * L^g``.
+        needed: The smallest ``rt_fraction`` that keeps every home in its own group.
+
+    """
+
+    homes: tuple[tuple[int, float], ...]
+    rt_fraction: float
+    needed: float
+
+    def warning(self) -> str:
+        """One line for the log and the federation's status."""
+        named = ", ".join(f"home {h} ({lat:.3g} s)" for h, lat in self.homes)
+        return (
+            f"Eco-FL cannot hold its groups: {named} fit no group's band at rt_fraction "
+            f"{self.rt_fraction:g} and will drop out (only probe, their data unused) while "
+            f"their latencies stay; rt_fraction {self.needed:.3g} would hold the initial "
+            "groups; FedAsync and FedAT drop no home"
+        )
+
+
+def _ref(members: Sequence[int], latencies: Sequence[float], home: int) -> float | None:
+    others = [latencies[m] for m in members if m != home]
+    return sum(others) / len(others) if others else None
+
+
+def _least_band(gap: float, ref: float) -> float:
+    """The smallest float ``f`` with ``gap <= f * ref`` (``gap / ref`` may round below)."""
+    f = gap / ref
+    while f * ref < gap:
+        f = math.nextafter(f, math.inf)
+    return f
+
+
+def unheld_homes(
+    groups: Sequence[Sequence[int]], latencies: Sequence[float], rt_fraction: float
+) -> Unheld | None:
+    """The homes Algorithm 1 would drop if every latency stayed as measured; None if none.
+
+    A home stays while ``|L^g - L_n| <= RT^g`` for its own group ``g`` (``L^g`` without
+    the home; a lone member always stays), else moves to a group whose band holds it
+    strictly, else drops: the rules of `services.federation.grouping.regroup`. Only
+    homes in ``groups`` are judged (dropped ones are out already).
+
+    Raises:
+        ConfigError: A latency that is not > 0, a home without a latency, or a band
+            that is not > 0.
+
+    """
+    if not rt_fraction > 0:
+        raise ConfigError(f"need rt_fraction > 0, got {rt_fraction}")
+    if any(not lat > 0 for lat in latencies):
+        raise ConfigError(f"latencies must be > 0, got {list(latencies)}")
+    if any(not 0 <= h < len(latencies) for g in groups for h in g):
+        raise ConfigError(f"groups {groups} name homes beyond the {len(latencies)} latencies")
+    out: list[tuple[int, float]] = []
+    needed = 0.0
+    for g, members in enumerate(groups):
+        for home in members:
+            lat = latencies[home]
+            ref = _ref(members, latencies, home)
+            if ref is None:
+                continue
+            needed = max(needed, _least_band(abs(ref - lat), ref))
+            if abs(ref - lat) <= rt_fraction * ref:
+                continue
+            held = False
+            for k, other in enumerate(groups):
+                r = _ref(other, latencies, home) if k != g else None
+                held = held or (r is not None and abs(r - lat) < rt_fraction * r)
+            if not held:
+                out.append((home, float(lat)))
+    if not out:
+        return None
+    return Unheld(tuple(sorted(out)), rt_fraction, needed)

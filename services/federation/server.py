@@ -36,6 +36,7 @@ from typing import Any, Literal
 from torch import Tensor
 
 from common.errors import ConfigError
+from services.federation.band import Unheld, unheld_homes
 from services.federation.grouping import GroupState
 from services.federation.robust import Screened
 from services.federation.strategies import FitResult, Strategy
@@ -90,7 +91,8 @@ class RoundEnd:
     ``group`` is the group's index, `Federation.WARMUP` for the first round of all
     homes, None for a dropped home's probe. ``latencies`` are the members' measured
     ones in ``members``' order (a failed home's: the time waited for it), so that the
-    noise the regrouping band faces can be read from the record.
+    noise the regrouping band faces can be read from the record. ``unheld``, on the
+    first round only, names the homes the strategy's band cannot hold (`unheld_homes`).
     """
 
     round_id: int
@@ -101,6 +103,7 @@ class RoundEnd:
     regroups: tuple[Regroup, ...]
     screened: tuple[Screened, ...] = ()
     latencies: tuple[float, ...] = ()
+    unheld: Unheld | None = None
 
 
 @dataclass
@@ -374,11 +377,28 @@ class Federation:
                 [latencies[h] for h in order], [self.joined[h].histogram for h in order]
             )
             regroups: tuple[Regroup, ...] = ()
+            unheld = self._unheld()
         else:
-            regroups = self._observe(latencies)
+            regroups, unheld = self._observe(latencies), None
         return RoundEnd(
-            rnd.round_id, rnd.group, rnd.members, failed, self.version, regroups, screened, measured
+            rnd.round_id,
+            rnd.group,
+            rnd.members,
+            failed,
+            self.version,
+            regroups,
+            screened,
+            measured,
+            unheld,
         )
+
+    def _unheld(self) -> Unheld | None:
+        """Homes the first groups' band cannot hold, for a strategy that drops homes."""
+        assert self.groups is not None
+        if not self.strategy.drops_homes:
+            return None
+        grouped = self.groups
+        return unheld_homes(grouped.groups, grouped.latencies, grouped.rt_fraction)
 
     def _observe(self, latencies: Mapping[int, float]) -> tuple[Regroup, ...]:
         assert self.groups is not None

@@ -282,6 +282,15 @@ class FederationService:
                 reason=event.reason,
                 round_id=end.round_id,
             )
+        if end.unheld is not None:
+            log.warning(
+                "eco-fl cannot hold its groups",
+                homes=[h for h, _ in end.unheld.homes],
+                latencies=[round(lat, 4) for _, lat in end.unheld.homes],
+                rt_fraction=end.unheld.rt_fraction,
+                needed_rt_fraction=round(end.unheld.needed, 4),
+                detail=end.unheld.warning(),
+            )
         log.info(
             "round ended",
             round_id=end.round_id,
@@ -324,6 +333,14 @@ class FederationService:
                 "regroups": [[r.home, r.action, r.group] for r in end.regroups],
                 "screened": [[e.home, e.action, e.reason] for e in end.screened],
             }
+            if end.unheld is not None:
+                entry["unheld"] = {
+                    "homes": [h for h, _ in end.unheld.homes],
+                    "latencies": [round(lat, 4) for _, lat in end.unheld.homes],
+                    "rt_fraction": end.unheld.rt_fraction,
+                    "needed_rt_fraction": round(end.unheld.needed, 4),
+                    "warning": end.unheld.warning(),
+                }
         self.store.put_blob(bytes(state_frame(fed.state).numpy()), "fl-model", fid)
         fields = {
             "state": "finished" if fed.done else "running",

@@ -73,6 +73,8 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
+    drops_homes: ClassVar[bool] = False
+    """True where `observe` may drop a home that no group's band holds (Algorithm 1)."""
 
     def __init__(
         self,
@@ -229,6 +231,7 @@ class EcoFL(Strategy):
     """Joint latency-and-data groups, regrouped at run time by Algorithm 1."""
 
     name = "ecofl"
+    drops_homes = True
 
     def initial_groups(
         self, latencies: Sequence[float], histograms: Sequence[Sequence[float]]

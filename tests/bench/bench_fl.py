@@ -2,6 +2,8 @@
 
     python -m tests.bench.bench_fl [--out DIR] [--quick] [--seeds N] [--horizon S]
         (make bench-fl)
+    python -m tests.bench.bench_fl --regimes clustered,spread [--alphas A,B] [...]
+        (clustered against spread homes: `tests.bench.fl_regimes`)
 
 Runs `services.federation.simulate`: real SGD on scikit-learn's digits split over heterogeneous
 homes (per-round times 1x to 6x) by Dirichlet(alpha) label skew, alpha 0.1 and 0.5;
@@ -346,7 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 strategies, 1 seed, short")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per scenario")
     parser.add_argument("--horizon", type=float, default=None, help="virtual seconds per run")
+    parser.add_argument(
+        "--regimes", default=None, help="clustered,spread: Eco-FL's regime against spread homes"
+    )
+    parser.add_argument("--alphas", default="0.1,0.5", help="with --regimes: Dirichlet alphas")
     args = parser.parse_args(argv)
+    if args.regimes is not None:
+        return _regimes(args, " ".join(["python -m tests.bench.bench_fl", *(argv or sys.argv[1:])]))
     cfg = QUICK if args.quick else BenchConfig()
     if args.seeds is not None:
         cfg = BenchConfig(**{**cfg.__dict__, "seeds": tuple(range(args.seeds))})
@@ -359,6 +367,24 @@ def main(argv: list[str] | None = None) -> int:
     rows = write_outputs(args.out, runs, cfg, command)
     print("\n".join(table(rows, cfg.target)))
     print(f"wrote {args.out}/results.{{md,json}} and curves.png")
+    return 0
+
+
+def _regimes(args: argparse.Namespace, command: str) -> int:
+    """``--regimes``: the five strategies on clustered and on spread homes."""
+    from tests.bench.fl_regimes import REGIMES, run_regimes, write_regimes
+
+    names = [n for n in args.regimes.split(",") if n]
+    if not names or any(n not in REGIMES for n in names):
+        raise SystemExit(f"--regimes takes names from {sorted(REGIMES)}, got {args.regimes!r}")
+    alphas = [float(a) for a in args.alphas.split(",")]
+    seeds = range(args.seeds if args.seeds is not None else 3)
+    horizon = args.horizon if args.horizon is not None else 40.0
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    runs = run_regimes(names, alphas, seeds, horizon)
+    write_regimes(args.out, runs, names, horizon, command)
+    print((args.out / "results.md").read_text())
     return 0
 
 

@@ -7,9 +7,17 @@ from pathlib import Path
 import pytest
 
 from common.fl.data import load_digits_split
-from services.federation.simulate import SimConfig, simulate
+from services.federation.simulate import SimConfig, SlowDown, simulate
 from services.federation.strategies import make_strategy
 from tests.bench.bench_fl import QUICK, Run, main, run_bench, summarize, time_to
+from tests.bench.fl_regimes import (
+    BATCH,
+    LOCAL_STEPS,
+    REGIMES,
+    STRATEGIES,
+    regime_rows,
+    winners,
+)
 
 TINY = replace(QUICK, horizon=12.0, seeds=(0,), slow_seeds=(0,), local_steps=3)
 
@@ -70,3 +78,60 @@ def test_cli_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert data["config"]["horizon"] == 7.0
     assert {r["strategy"] for r in data["runs"]} == {"ecofl", "fedavg"}
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def _run(scenario: str, strategy: str, seed: int, curve: list[tuple[float, float]]) -> Run:
+    times, accs = tuple(t for t, _ in curve), tuple(a for _, a in curve)
+    events = ((1.0, 0, "drop", None),) if strategy == "ecofl" else ()
+    return Run(scenario, seed, strategy, times, accs, events, accs[-1], accs[-1], None, 0.0)
+
+
+def test_regime_rows_take_medians_over_the_seeds_that_reach_and_rank_by_the_highest_target() -> (
+    None
+):
+    runs = [
+        _run("s", "ecofl", 0, [(0.0, 0.1), (2.0, 0.75), (5.0, 0.95)]),
+        _run("s", "ecofl", 1, [(0.0, 0.1), (4.0, 0.85)]),
+        _run("s", "fedat", 0, [(0.0, 0.1), (1.0, 0.92)]),
+        _run("s", "fedat", 1, [(0.0, 0.1), (3.0, 0.5)]),
+        _run("s", "fedavg", 0, [(0.0, 0.1), (9.0, 0.91)]),
+        _run("s", "fedavg", 1, [(0.0, 0.1), (8.0, 0.93)]),
+    ]
+    rows = {r.strategy: r for r in regime_rows(runs)}
+    assert rows["ecofl"].times == (3.0, 4.5, 5.0) and rows["ecofl"].reached == (2, 2, 1)
+    assert rows["ecofl"].regroups == 1.0 and rows["fedat"].regroups == 0.0
+    assert rows["fedat"].times == (1.0, 1.0, 1.0) and rows["fedat"].reached == (1, 1, 1)
+    assert rows["fedavg"].times == (8.5, 8.5, 8.5) and rows["fedavg"].reached == (2, 2, 2)
+    # both seeds to 0.9 beats one seed there, however early
+    assert winners(list(rows.values())) == ["- s: **fedavg** wins; order fedavg, fedat, ecofl"]
+
+
+def test_the_regimes_cli_writes_rows_equal_to_the_simulator_and_warns_for_spread_only(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "regimes"
+    args = ["--regimes", "clustered,spread", "--alphas", "0.1", "--seeds", "1", "--horizon", "3"]
+    assert main([*args, "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert (out / "curves.png").stat().st_size > 0
+    assert len(data["runs"]) == 2 * len(STRATEGIES)
+    spread = REGIMES["spread"]
+    plain = simulate(
+        make_strategy("fedasync", 2),
+        SimConfig(
+            round_times=spread.round_times,
+            slowdowns=(SlowDown(spread.slow_home, 1.5, 4.0),),
+            dirichlet_alpha=0.1,
+            local_steps=LOCAL_STEPS,
+            batch_size=BATCH,
+            seed=0,
+            updates=100,
+        ),
+    )
+    got = next(r for r in data["runs"] if r["strategy"] == "fedasync" and "spread" in r["scenario"])
+    kept = [p for p in plain.curve if p.time <= 3.0]
+    assert got["times"] == [p.time for p in kept]
+    assert got["accuracies"] == pytest.approx([p.accuracy for p in kept])
+    text = (out / "results.md").read_text()
+    assert "clustered, alpha=0.1, seed 0, groups [(0, 1, 2), (3, 4, 5)]: none" in text
+    assert "spread, alpha=0.1, seed 0, groups [(0, 1, 2), (3, 4)]: Eco-FL cannot hold" in text

@@ -55,8 +55,14 @@ throughput runs do not evaluate, and digits are 8x8."""
 HEAVY_WINDOWS = (4, 16)
 """The heavy set's windows: sync's bubble is largest at small M."""
 STAGE_DEVICES = ("nano-0", "tx2-0", "nano-1", "nano-2")
-"""Stage i (layer i) runs on STAGE_DEVICES[i]: the second conv block, by far the
-heaviest layer in both of part 1's sets, on the fastest device."""
+"""Stage i (layer i) runs on STAGE_DEVICES[i] in the light set: the second conv block,
+by far its heaviest layer, on the fastest device."""
+HEAVY_STAGE_DEVICES = ("tx2-0", "nano-0", "nano-1", "nano-2")
+"""The heavy set's plan: the same four single-device stages, the first conv on the fastest
+device. With three input channels on 32x32 pixels that conv is the slowest per operation;
+on `STAGE_DEVICES` it took about 22 ms per micro-batch on a Nano's quota against 6.5 ms
+for the second conv on the TX2 (sync, M 4 and 16, on the testbed), so this plan has the
+smaller bottleneck stage (about 18 ms), for both modes alike."""
 
 HETERO_MODEL: dict[str, Any] = {
     "name": "mlp",

@@ -160,7 +160,8 @@ def write_outputs(out: Path, header: dict[str, Any], runs: Sequence[Run]) -> Non
         f"- part 1 plan: {header.get('plan', '')}; K_0 by window M: {header.get('k0', '')}",
         f"- part 2 plan: {header.get('hetero_plan', '')}; throttle: {header.get('throttle', '')}",
         f"- part 1, heavy layers: fl_cnn at CIFAR's size ({HEAVY_MODEL['options']}) on "
-        "synthetic images, same plan, windows, seed and optimizer",
+        f"synthetic images, plan {header.get('heavy_plan', '')}; same micro-batch, seed and "
+        "optimizer",
         f"- parts 1 and 3: fl_cnn on digits (held-out split), seed {SEED}, micro-batch {MICRO}, "
         f"sgd lr {LR:g} momentum 0 in every compared mode (an `lr x{ACC_WINDOW}` row, if any, "
         "is a reference: sync at the step M async updates add up to); part 2: an 8-layer mlp "

@@ -17,8 +17,9 @@ same micro-batch, in two sets of rows: light layers (`fl_cnn` on 8x8 digits,
 sub-millisecond layers whose per-micro-batch update is not small against them)
 at 4, 16 and 64 micro-batches per window, `--reps` times; heavy layers
 (`async_jobs.HEAVY_MODEL`: the same net at CIFAR's 3x32x32, a conv layer's
-compute large against its parameters, PipeDream's and FTPipeHD's regime) at 4
-and 16, `--heavy-reps` times; each set interleaved. Samples/s is the global
+compute large against its parameters, PipeDream's and FTPipeHD's regime; its
+plan `HEAVY_STAGE_DEVICES` puts its slowest layer, the first conv, on the
+fastest device) at 4 and 16, `--heavy-reps` times; each set interleaved. Samples/s is the global
 batch over the median round of the coordinator's round metrics, the first
 round skipped. Beside the measured async/sync ratio: the ratio
 `services.planner.async_gain` predicts from the same runs' stage timings, and
@@ -59,6 +60,7 @@ from tests.bench.async_jobs import (
     EVAL_EVERY,
     HEAVY_DATA,
     HEAVY_MODEL,
+    HEAVY_STAGE_DEVICES,
     HEAVY_WINDOWS,
     HETERO_DEVICES,
     LAYERS,
@@ -142,11 +144,14 @@ def main(argv: list[str] | None = None) -> int:
             + f"; links {spec.devices[0].bandwidth_bps / 1e9:g} Gbit/s"
         )
         header["plan"] = " | ".join(f"layer {i}: {d}" for i, d in enumerate(STAGE_DEVICES))
+        header["heavy_plan"] = " | ".join(
+            f"layer {i}: {d}" for i, d in enumerate(HEAVY_STAGE_DEVICES)
+        )
         tput = throughput_configs(windows)
         runs += throughput_part(runner, STAGE_DEVICES, args.rounds, args.reps, past, save, tput)
         runs += throughput_part(
             runner,
-            STAGE_DEVICES,
+            HEAVY_STAGE_DEVICES,
             args.rounds,
             args.heavy_reps,
             past,

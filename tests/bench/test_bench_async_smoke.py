@@ -70,8 +70,8 @@ def test_pure_parts_read_metrics_and_build_plans() -> None:
 
 
 def test_the_heavy_set_is_the_same_pipeline_with_heavier_layers() -> None:
-    """Both sets of part 1 run one layer per stage on the same plan; the heavy set's
-    layers do far more compute per parameter, as in PipeDream's and FTPipeHD's convs."""
+    """Both sets of part 1 run one layer per stage on the same four devices; the heavy
+    set's layers do far more compute per parameter, as in PipeDream's and FTPipeHD's convs."""
     from common.data import dataset_for
     from common.zoo import ModelSpec, build_model
 
@@ -79,6 +79,10 @@ def test_the_heavy_set_is_the_same_pipeline_with_heavier_layers() -> None:
     heavy = build_model(ModelSpec.model_validate(aj.HEAVY_MODEL), 0)
     assert len(light.layers) == len(heavy.layers) == aj.LAYERS
     assert heavy.input.shape == (3, 32, 32)
+    assert sorted(aj.HEAVY_STAGE_DEVICES) == sorted(aj.STAGE_DEVICES)
+    assert aj.HEAVY_STAGE_DEVICES[0] == "tx2-0"  # its slowest layer on the fastest device
+    stages = aj.plan_for(aj.HEAVY_STAGE_DEVICES, 4)["stages"]
+    assert [(s["start"], s["end"]) for s in stages] == [(i, i + 1) for i in range(aj.LAYERS)]
     images, _ = dataset_for(heavy, aj.SEED).batch(torch.arange(aj.MICRO))
     assert tuple(images.shape) == (aj.MICRO, 3, 32, 32)
 

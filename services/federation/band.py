@@ -99,9 +99,9 @@ class Unheld:
         named = ", ".join(f"home {h} ({lat:.3g} s)" for h, lat in self.homes)
         return (
             f"Eco-FL cannot hold its groups: {named} fit no group's band at rt_fraction "
-            f"{self.rt_fraction:g} and will drop out (only probe, their data unused) while "
-            f"their latencies stay; rt_fraction {self.needed:.3g} would hold the initial "
-            "groups; FedAsync and FedAT drop no home"
+            f"{self.rt_fraction:g}, so Algorithm 1 drops homes (they only probe, their data "
+            f"unused) while latencies stay; rt_fraction {self.needed:.3g} would hold the "
+            "initial groups; FedAsync and FedAT drop no home"
         )
 
 
@@ -121,12 +121,16 @@ def _least_band(gap: float, ref: float) -> float:
 def unheld_homes(
     groups: Sequence[Sequence[int]], latencies: Sequence[float], rt_fraction: float
 ) -> Unheld | None:
-    """The homes Algorithm 1 would drop if every latency stayed as measured; None if none.
+    """The homes Algorithm 1 would drop, each judged alone against ``groups``; None if none.
 
     A home stays while ``|L^g - L_n| <= RT^g`` for its own group ``g`` (``L^g`` without
     the home; a lone member always stays), else moves to a group whose band holds it
-    strictly, else drops: the rules of `services.federation.grouping.regroup`. Only
-    homes in ``groups`` are judged (dropped ones are out already).
+    strictly, else drops: `services.federation.grouping.regroup` on that one home. Only
+    homes in ``groups`` are judged (dropped ones are out already). After a round the
+    server judges its homes one after another, and a home that leaves shifts its
+    group's ``L^g``, so the homes that in fact drop may be others of the same group: a
+    group at 1.2, 0.45 and 0.9 s names homes 0 and 1 here, and Algorithm 1 drops 0, then
+    2 (judged against home 1 alone).
 
     Raises:
         ConfigError: A latency that is not > 0, a home without a latency, or a band

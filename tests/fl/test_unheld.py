@@ -102,6 +102,9 @@ def test_the_federation_records_the_warning_for_a_spread_eco_fl_only() -> None:
     assert end.unheld.needed == pytest.approx(7 / 9)
     later = run_round(eco, (3, 4), (2.0, 2.9), now=5.0)
     assert later is not None and later.unheld is None  # the first round's only
+    fast = run_round(eco, (0, 1, 2), SPREAD[:3], now=5.0)  # the warned-of drops come
+    assert fast is not None
+    assert [(r.home, r.action) for r in fast.regroups] == [(0, "drop"), (2, "drop")]
     clustered = federation(make_strategy("ecofl", groups=2, rt_fraction=0.5), [A] * 5)
     end = run_round(clustered, range(5), CLUSTERED)
     assert end is not None and groups_of(clustered) == ((0, 1, 2), (3, 4))

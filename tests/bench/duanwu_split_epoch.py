@@ -209,6 +209,8 @@ class EpochRow:
     sim_samples_per_s: float | None = None
     wall_s: float = 0.0
     note: str = ""
+    threads: dict[str, int] = field(default_factory=dict)
+    """Intra-op threads per device where not one per core: plain's best unsplit count."""
 
     def add(self, rate: float | None, rounds: list[float]) -> None:
         """Record one run."""
@@ -260,6 +262,22 @@ def run_order(todo: Sequence[tuple[EpochRow, Plan]], repeats: int) -> list[tuple
     return out
 
 
+def plain_threads(gains: Sequence[StageGain], cpu: float, cores: int) -> dict[str, int]:
+    """Per device, the intra-op threads an unsplit worker runs fastest with.
+
+    What the in-device measurement found (`best_threads`: one per core or one,
+    whichever ran the pair in turn faster); unmeasured, one thread where the
+    CPU quota is below the core count (threads there spin and burn the quota),
+    else one per core. Plain is then the best unsplit worker, not a slow one.
+    """
+    fallback = 1 if cpu < cores else cores
+    out = {}
+    for g in gains:
+        m = g.on_device
+        out[g.device] = int(m.get("best_threads", fallback)) if m else fallback
+    return out
+
+
 class EpochBench:
     """The four emulated devices, a Redis on the bridge, one coordinator per run."""
 
@@ -272,7 +290,7 @@ class EpochBench:
         self.choices: dict[str, str] = {}
         """Per model: what the planner's rule chose from the gains measured in the devices."""
         self.threads = 1 if cores is None else len(parse_cpus(cores))
-        """Intra-op threads of each worker: one per core of its device."""
+        """Intra-op threads of a splitting worker: one per core of its device."""
         self.spec = TestbedSpec(
             name="duanwu-split",
             subnet=SUBNET,
@@ -321,6 +339,11 @@ class EpochBench:
                 scored[model] = (gain_cost(cost, {r.device: r.gain("device") for r in rows}), plan)
                 gains += rows
             todo = plan_rows(scored, planner)
+            for row, _ in todo:
+                if row.betas is None:  # plain: each device at its best unsplit thread count
+                    row.threads = plain_threads(
+                        [g for g in gains if g.model == row.model], self.cpu, self.threads
+                    )
             epochs = [r for r, _ in todo]
             if written is not None:
                 written(gains, epochs)
@@ -360,10 +383,13 @@ class EpochBench:
             "ASTEROID_KEYS": str(keys),
             "ASTEROID_HEARTBEAT_S": "0.5",
             "ASTEROID_LOG_FORMAT": "json",
-            "ASTEROID_THREADS": str(self.threads),
-            "OMP_NUM_THREADS": str(self.threads),
         }
-        pairs = [f"{k}={v}" for k, v in env.items()]
+
+        def pairs(dev: str) -> list[str]:
+            n = str(row.threads.get(dev, self.threads))
+            mine = {**env, "ASTEROID_THREADS": n, "OMP_NUM_THREADS": n}
+            return [f"{k}={v}" for k, v in mine.items()]
+
         procs = []
         job_id = "split"
         (logs / "job.yaml").write_text(yaml.safe_dump(job_spec(row.model, self.rounds, job_id)))
@@ -371,7 +397,7 @@ class EpochBench:
         try:
             for dev in bed.devices:
                 worker = [sys.executable, "-m", "services.worker.main", "--device", dev]
-                procs.append(bed.start(dev, f"{label}/{dev}.worker", ["env", *pairs, *worker]))
+                procs.append(bed.start(dev, f"{label}/{dev}.worker", ["env", *pairs(dev), *worker]))
             cmd = [sys.executable, "-m", "services.coordinator.main", "--bind", coordinator]
             cmd += ["--shutdown-workers", "--job", str(logs / "job.yaml")]
             cmd += ["--plan", str(logs / "plan.json")]

@@ -151,21 +151,19 @@ def gain_table(rows: Sequence[StageGain]) -> list[str]:
     def cell(m: dict[str, Any] | None) -> str:
         if m is None:
             return "— | — | —"
-        best = m.get("best_gain")
-        also = "" if best is None or m.get("cores", 1) < 2 else f" ({best * 100:+.1f} %)"
-        return (
-            f"{m['in_turn_s'] * 1e3:.1f} | {m['split_s'] * 1e3:.1f} | "
-            f"{m['gain'] * 100:+.1f} %{also}"
-        )
+        best = min(t for t in (m["in_turn_s"], m.get("in_turn_one_s", 0.0)) if t > 0)
+        threads = m.get("best_threads", m.get("cores", 1))
+        split, gain = m["split_s"] * 1e3, m["gain"] * 100
+        return f"{best * 1e3:.1f} ({threads} thr) | {split:.1f} | {gain:+.1f} %"
 
     lines = [
         "## 1. The split's measured gain per stage, and the planner's decision",
         "",
-        "Pair = forward of one micro-batch + backward of another; in turn on all the cores "
-        "(one intra-op thread per core) vs at once on the lanes (pinned on two cores). "
-        "Gain = in-turn / split - 1 (medians, taken in turns); in brackets, against the "
-        "faster of in turn at one thread per core and in turn at a single thread (what "
-        "remains of the split's own gain where many intra-op threads lose to one).",
+        "Pair = forward of one micro-batch + backward of another; in turn unsplit at its "
+        "best thread count (the faster of one intra-op thread per core and a single thread, "
+        "both measured; in brackets, the count) vs at once on the lanes (pinned on two "
+        "cores). Gain = best in-turn / split - 1 (medians, taken in turns): the split "
+        "against the best unsplit way, as the planner weighs it.",
         "",
         "| model | device | layers | F / B ms (2 cores) | one core: in turn ms | split ms | gain "
         "| two cores: in turn ms | split ms | gain | in the device: in turn ms | split ms | gain "

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from services.testbed.spec import parse_cpus
 from tests.bench.duanwu_split_common import (
     DEVICE_CORES,
     DEVICES,
@@ -31,13 +32,17 @@ def epoch_table(
         "## 2. Epoch time, plain vs split pipelining, depth 4, four emulated devices",
         "",
         f"Epoch = {EPOCH_SAMPLES} samples; {DEVICES} devices, each a cpuset of cores "
-        f"{cores} with a {cpu:g}-core quota and one intra-op thread per core, 1 Gbit/s links, "
-        f"global batch {GLOBAL_BATCH}.",
+        f"{cores} with a {cpu:g}-core quota, 1 Gbit/s links, global batch {GLOBAL_BATCH}. "
+        "Threads = intra-op threads per device: a split runs one per core (each lane one per "
+        "core it owns); plain runs each device at its best unsplit count, the faster of one "
+        "per core and one as measured in the device (part 1), so plain is the best unsplit "
+        "worker.",
         "",
-        "| model | stages | variant | betas | samples/s (median) | runs | epoch s | vs plain "
-        "| simulated epoch s | simulated vs plain |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | stages | variant | threads | betas | samples/s (median) | runs | epoch s "
+        "| vs plain | simulated epoch s | simulated vs plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    threads_per_core = str(len(parse_cpus(cores)) if cores else 1)
     for r in rows:
         plain = next(x for x in rows if x.model == r.model and x.variant == "plain")
         betas = "—" if r.betas is None else " ".join(f"{b:.2f}" for b in r.betas.values())
@@ -46,8 +51,10 @@ def epoch_table(
         runs = " / ".join(f"{x:.2f}" for x in r.runs) or "—"
         vs = "" if r is plain else pct_shorter(r.epoch_s, plain.epoch_s)
         sim_vs = "" if r is plain else pct_shorter(sim, plain.sim_epoch_s)
+        threads = " ".join(str(n) for n in r.threads.values()) or threads_per_core
         lines.append(
-            f"| {r.model} | {stages} | {r.variant} | {betas} | {fmt(r.samples_per_s, '.2f')} | "
+            f"| {r.model} | {stages} | {r.variant} | {threads} | {betas} | "
+            f"{fmt(r.samples_per_s, '.2f')} | "
             f"{runs} | {fmt(r.epoch_s)} | {vs} | {fmt(sim)} | {sim_vs} |"
             + (f" {r.note}" if r.note else "")
         )

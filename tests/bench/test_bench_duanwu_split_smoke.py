@@ -26,6 +26,7 @@ from tests.bench.duanwu_split_epoch import (
     job_spec,
     measure_profile,
     pipeline_plan,
+    plain_threads,
     plan_json,
     variants,
 )
@@ -178,10 +179,25 @@ def test_split_plan_trains_and_the_outputs_are_written(
     )
     assert "variants" not in gain_table(gains)[0]
 
+    # plain runs each device at the thread count its unsplit pair was fastest with
+    # (and the gain is the split against that best unsplit way)
+    for g in gains:
+        m = g.host_two
+        assert m is not None
+        threads, one = m["in_turn_s"], m["in_turn_one_s"]
+        assert m["best_threads"] == (1 if one < threads else m["cores"])
+        assert m["gain"] == pytest.approx(min(threads, one) / m["split_s"] - 1)
+    gains[0].on_device = {**gains[0].host_two, "best_threads": 1}
+    gains[1].on_device = {**gains[1].host_two, "best_threads": 2}
+    assert plain_threads(gains, cpu=0.5, cores=2) == {"a": 1, "b": 2}
+    gains[1].on_device = None  # unmeasured: one thread where the quota is below the cores
+    assert plain_threads(gains, cpu=0.5, cores=2) == {"a": 1, "b": 1}
+    assert plain_threads(gains, cpu=2.0, cores=2) == {"a": 1, "b": 2}
+
     row = EpochRow("small_cnn", "split", betas, [(s.start, s.end) for s in split.stages])
     row.add(rate, rounds)
     assert row.samples_per_s == rate and row.runs == [rate]
-    plain = EpochRow("small_cnn", "plain", None, row.stages)
+    plain = EpochRow("small_cnn", "plain", None, row.stages, threads={"a": 1, "b": 2})
     plain.add(rate, rounds)
     meetings: list[Meeting] = []
     if cpu_cgroup_writable():
@@ -190,6 +206,7 @@ def test_split_plan_trains_and_the_outputs_are_written(
     write_outputs(out, meetings, gains, [plain, row], header_for("smoke"))
     text = (out / "table.md").read_text()
     assert "## 2. Epoch time" in text and "+0.0 %" in text  # the same rate twice
+    assert "| small_cnn | [0," in text and "| plain | 1 2 |" in text
     assert "## 1. The split's measured gain" in text and "**split**" in text
     assert (out / "gain.png").stat().st_size > 0
     assert (out / "epoch.png").stat().st_size > 0

@@ -23,15 +23,19 @@ def test_the_gain_is_in_turn_over_split_minus_one() -> None:
     assert g.gain == pytest.approx(0.2)
     assert SplitGain(1.0, 2.0, 3.0, 3.6, 0.5, 1, False).gain == pytest.approx(-1 / 6)
     assert g.as_dict()["gain"] == pytest.approx(0.2)
-    assert g.best_gain == g.gain  # no single-thread figure: the one in-turn time
+    assert g.threads_gain == g.gain  # no single-thread figure: the one in-turn time
+    assert g.best_threads == 2
 
 
-def test_the_best_gain_weighs_the_split_against_the_faster_way_in_turn() -> None:
+def test_the_gain_weighs_the_split_against_the_faster_way_in_turn() -> None:
     slow_threads = SplitGain(1.0, 2.0, 4.0, 2.5, 1 / 3, 2, True, in_turn_one_s=2.0)
-    assert slow_threads.gain == pytest.approx(0.6)
-    assert slow_threads.best_gain == pytest.approx(-0.2)
+    assert slow_threads.threads_gain == pytest.approx(0.6)
+    assert slow_threads.gain == pytest.approx(-0.2)  # one thread unsplit beats the split
+    assert slow_threads.best_threads == 1
+    assert slow_threads.as_dict()["gain"] == pytest.approx(-0.2)
     fast_threads = SplitGain(1.0, 2.0, 2.0, 2.5, 1 / 3, 2, True, in_turn_one_s=4.0)
-    assert fast_threads.best_gain == fast_threads.gain == pytest.approx(-0.2)
+    assert fast_threads.threads_gain == fast_threads.gain == pytest.approx(-0.2)
+    assert fast_threads.best_threads == 2
 
 
 def test_one_core_measures_unpinned_lanes_and_restores_the_caller() -> None:

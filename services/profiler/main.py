@@ -56,6 +56,7 @@ from common.zoo import ModelSpec, OptionValue
 from services.profiler.cache import load_reusable, save
 from services.profiler.layers import ProgressFn, Step, profile_model
 from services.profiler.service import ProfilerService
+from services.profiler.split import with_device_split_gain
 
 __all__ = ["main", "parse_options", "run", "serve"]
 
@@ -111,7 +112,7 @@ def _measure(
     console = Console(stderr=True)
 
     def measure(progress: ProgressFn) -> Profile:
-        return profile_model(
+        prof = profile_model(
             spec,
             settings.batch_sizes or None,
             settings.repeats,
@@ -124,6 +125,7 @@ def _measure(
             allowed_modules=settings.model_modules,
             accelerator=accelerator,
         )
+        return with_device_split_gain(prof, spec, settings.model_modules, accelerator=accelerator)
 
     def log_batch(step: Step) -> None:
         if step.layer == step.layers - 1:

@@ -39,6 +39,7 @@ from common.sockets import connect_dealer, poll_in
 from common.store import Store
 from services.profiler.cache import load_reusable, profile_key, save
 from services.profiler.layers import ProgressFn, Step, profile_model
+from services.profiler.split import with_device_split_gain
 
 __all__ = ["ProfilerService", "refusal", "service_identity"]
 
@@ -239,6 +240,9 @@ class ProfilerService:
                 device=req.fingerprint,
                 allowed_modules=self.settings.model_modules,
                 accelerator=self.accelerator,
+            )
+            prof = with_device_split_gain(
+                prof, req.model, self.settings.model_modules, accelerator=self.accelerator
             )
             stored = save(self.store, prof)
         except (AsteroidError, redis.RedisError) as exc:

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import structlog
@@ -50,6 +51,10 @@ def test_main_measures_stores_and_then_reuses(run_main, redis_url, cluster_name,
     assert "total" in stdout and "mlp(num_classes=10)" in stdout  # the summary table
     written = Profile.model_validate_json(out.read_text())
     assert written.batch_sizes == [1, 2, 4]
+    # the profile of a device with two cores carries the split's measured gain
+    two_cores = len(os.sched_getaffinity(0)) >= 2
+    assert (written.split_gain is not None) == two_cores
+    assert ("split gain measured" in _events(stderr)) == two_cores
 
     store = Store(redis_url, cluster_name)
     key, device = model_key(ModelSpec(name="mlp")), device_fingerprint(1)

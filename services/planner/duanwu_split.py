@@ -4,7 +4,7 @@ The model (Duan & Wu, Sec. III-B): a device that gives a fraction beta of its
 compute to forward and 1 - beta to backward runs both at once, a phase on a
 share s taking its whole-device time over s. That premise holds only where
 the device really divides (two cores or more, each lane pinned to its own,
-`services.worker.lanes`); on one core the lanes time-slice and a pair is no
+`services.lib.lanes`); on one core the lanes time-slice and a pair is no
 shorter. So whether a device splits is not the model's to say but a
 measurement's: `Profile.split_gain` (`services.worker.split_gain`), which must
 exceed `SPLIT_MARGIN`. The planner (`services.planner.duanwu`) then lets the

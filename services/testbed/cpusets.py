@@ -1,7 +1,7 @@
 """Cores of a device's own: its group in the cpuset hierarchy (`DeviceCgroup.create(cpus=...)`).
 
 Made only for devices given cores, so the worker's affinity is those cores and
-Duan & Wu's lanes can each be pinned to one of them (`services.worker.lanes`).
+Duan & Wu's lanes can each be pinned to one of them (`services.lib.lanes`).
 On v1 every cpuset level starts empty and refuses processes, so the levels
 above the device get their parent's cores and memory nodes, the device its own
 cores, and its leaves the device's; on v2 the controller is handed down and the

@@ -13,14 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from services.lib.split_gain import (
-    SplitGain,
-    layer_range,
-    measure_split_gain,
-    with_split_gain,
-)
+from services.lib.split_gain import layer_range, measure_split_gain
 
-__all__ = ["SplitGain", "layer_range", "main", "measure_split_gain", "with_split_gain"]
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,12 +49,12 @@ from common.schedule import Action, PoolView, next_pair, next_task
 from common.settings import REDIS_OUTAGE_S
 from common.store import Store
 from common.zoo import ZooModel, build_model
+from services.lib.lanes import SplitLanes
 from services.worker.allreduce import ring_allreduce
 from services.worker.async_stream import AsyncStream
 from services.worker.evaluate import EvalResult, evaluate
 from services.worker.faults import FailAt
 from services.worker.holdings import HeldLayer, Holdings
-from services.worker.lanes import SplitLanes
 from services.worker.numerics import require_finite
 from services.worker.pool import Expected, TaskPool
 from services.worker.stash import WeightStash

@@ -24,10 +24,10 @@ from typing import Any
 
 from common.plan import Plan
 from common.profile import ClusterSpec, DeviceSpec, Profile
+from services.lib.split_gain import layer_range, measure_split_gain, with_split_gain
 from services.planner.cost import CostModel
 from services.planner.duanwu import split_cost, split_reasons, split_specs
 from services.planner.simulator import simulate
-from services.worker.split_gain import layer_range, measure_split_gain, with_split_gain
 from tests.bench.duanwu_split_common import MODELS, fmt
 
 WHERE = ("one core", "two cores", "device")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from services.worker.lanes import SplitLanes, bound_to, lane_cores, split_threads
+from services.lib.lanes import SplitLanes, bound_to, lane_cores, split_threads
 
 
 @pytest.mark.parametrize(

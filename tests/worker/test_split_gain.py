@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from common.errors import ConfigError
-from services.worker.split_gain import SplitGain, measure_split_gain, with_split_gain
+from services.lib.split_gain import SplitGain, measure_split_gain, with_split_gain
 from tests.planner.fixtures import layered_profile
 
 

@@ -17,11 +17,11 @@ same micro-batch, in two sets of rows: light layers (`fl_cnn` on 8x8 digits,
 sub-millisecond layers whose per-micro-batch update is not small against them)
 at 4, 16 and 64 micro-batches per window, `--reps` times; heavy layers
 (`async_jobs.HEAVY_MODEL`: the same net at CIFAR's 3x32x32, a conv layer's
-compute large against its parameters, PipeDream's and FTPipeHD's regime; its
-plan `HEAVY_STAGE_DEVICES` puts its slowest layer, the first conv, on the
-fastest device) at 4 and 16, `--heavy-reps` times; each set interleaved. Samples/s is the global
-batch over the median round of the coordinator's round metrics, the first
-round skipped. Beside the measured async/sync ratio: the ratio
+compute large against its parameters, PipeDream's and FTPipeHD's regime; the
+same plan, `HEAVY_STAGE_DEVICES`) at 4 and 16, `--heavy-reps` times; each set
+interleaved. Samples/s is the global batch over the median round of the
+coordinator's round metrics, the first round skipped. Beside the measured
+async/sync ratio: the ratio
 `services.planner.async_gain` predicts from the same runs' stage timings, and
 sync's predicted bubble.
 

@@ -79,8 +79,7 @@ def test_the_heavy_set_is_the_same_pipeline_with_heavier_layers() -> None:
     heavy = build_model(ModelSpec.model_validate(aj.HEAVY_MODEL), 0)
     assert len(light.layers) == len(heavy.layers) == aj.LAYERS
     assert heavy.input.shape == (3, 32, 32)
-    assert sorted(aj.HEAVY_STAGE_DEVICES) == sorted(aj.STAGE_DEVICES)
-    assert aj.HEAVY_STAGE_DEVICES[0] == "tx2-0"  # its slowest layer on the fastest device
+    assert aj.HEAVY_STAGE_DEVICES == aj.STAGE_DEVICES
     stages = aj.plan_for(aj.HEAVY_STAGE_DEVICES, 4)["stages"]
     assert [(s["start"], s["end"]) for s in stages] == [(i, i + 1) for i in range(aj.LAYERS)]
     images, _ = dataset_for(heavy, aj.SEED).batch(torch.arange(aj.MICRO))

@@ -4,8 +4,11 @@ The planner splits a device only where its profile says the split pays
 (`Profile.split_gain` above the planner's margin), so the profiler measures
 it: on a device with two usable cores or more (this process's affinity), one
 forward+backward pair in turn at the best unsplit thread count against the
-pair on two pinned lanes (`services.lib.split_gain`). A device with one core
-gets no gain, so it is never split: its lanes could only time-slice.
+pair on two pinned lanes (`services.lib.split_gain`). A device with one core,
+or whose CPU quota is below two cores (an emulated device's cgroup, a
+container's `--cpus`), gets no gain, so it is never split: its lanes could
+only time-slice what it has, and measuring that would slow its profile for
+nothing.
 
 One range stands for the model: the heaviest run of `ceil(layers / STAGES)`
 consecutive layers (forward + backward at the profiled batch size nearest
@@ -21,6 +24,7 @@ import os
 from collections.abc import Collection
 
 from common.accelerator import AcceleratorInfo
+from common.device import cpu_quota
 from common.logging import get_logger
 from common.profile import Profile
 from common.zoo import ModelSpec
@@ -56,11 +60,15 @@ def with_device_split_gain(
 ) -> Profile:
     """`profile` with the split gain measured on this device's cores (unchanged on one core).
 
-    `cores` None: this process's affinity. The lanes divide CPU cores, so a
-    profile made on a GPU (`accelerator` of kind cuda) gets no gain either.
+    `cores` None: this process's affinity, and its cgroup CPU quota must
+    allow two cores too. The lanes divide CPU cores, so a profile made on a
+    GPU (`accelerator` of kind cuda) gets no gain either.
     """
     have = frozenset(os.sched_getaffinity(0) if cores is None else cores)
-    if len(have) < 2 or (accelerator is not None and accelerator.kind != "cpu"):
+    quota = cpu_quota() if cores is None else None
+    if len(have) < 2 or (quota is not None and quota < 2):
+        return profile
+    if accelerator is not None and accelerator.kind != "cpu":
         return profile
     lo, hi = heaviest_range(profile)
     col = min(profile.batch_sizes, key=lambda b: abs(b - MICRO))

@@ -35,6 +35,7 @@ def test_a_profile_made_on_two_cores_carries_the_measured_split_gain(profile, mo
     if len(real) < 2:
         pytest.skip("the split is measured on two real cores")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(real[:2]))
+    monkeypatch.setattr(split, "cpu_quota", lambda: None)
     threads = torch.get_num_threads()
     assert profile.split_gain is None
     got = with_device_split_gain(profile, SPEC)
@@ -60,6 +61,18 @@ def test_measured_gain_is_the_libraries_measurement_on_the_heaviest_range(
     lo, hi = heaviest_range(profile)
     assert seen == {"layers": hi - lo, "micro": 16, "cores": {0, 1}}
     assert got.split_gain is not None
+
+
+def test_a_cpu_quota_below_two_cores_gets_no_gain_and_no_measurement(profile, monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+
+    def measure(*args, **kwargs):
+        raise AssertionError("measured under a quota the lanes cannot divide")
+
+    monkeypatch.setattr(split, "measure_split_gain", measure)
+    for quota in (0.177, 1.0, 1.99):
+        monkeypatch.setattr(split, "cpu_quota", lambda q=quota: q)
+        assert with_device_split_gain(profile, SPEC).split_gain is None
 
 
 def test_one_core_or_a_gpu_gets_no_gain(profile, monkeypatch) -> None:

@@ -201,7 +201,9 @@ def test_a_home_three_times_slower_from_some_round_on_regroups_within_the_dwell(
         if events:
             break
     assert events, "a home three times slower never left its group"
-    assert all(h in mates for h, _ in events)
+    # the first to leave is the slowed home or a mate of it; a home it moves into may then
+    # push out a member of that group in the same round (Algorithm 1: L^g is the group's mean)
+    assert events[0][0] in mates, events
     assert seen - at <= settle_bound(window, dwell)
 
 

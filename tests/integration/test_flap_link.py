@@ -50,8 +50,6 @@ DETECTION = {
 BRIEF_S = 0.1
 """How long the relay refuses b after a brief cut (ZeroMQ reconnects every 0.1 s)."""
 LONG_S = 2 * (GRACE_S + PROBE_S)
-MID_ROUND_S = 0.15
-"""After a round is committed, when the cut comes: the next round is under way."""
 
 
 class Relay:
@@ -65,6 +63,9 @@ class Relay:
         self.lock = threading.Lock()
         self.open: list[socket.socket] = []
         self.refuse_until = 0.0
+        self.armed: float | None = None
+        """Refusal of a cut due right after the next chunk to b is delivered (`cut_after_next`)."""
+        self.delivered = threading.Event()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()
@@ -87,14 +88,17 @@ class Relay:
                 for s in (down, up):  # a quiet direction is no reason to drop the link
                     s.settimeout(None)
                 self.open += [down, up]
-            for src, dst in ((down, up), (up, down)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, to_b in ((down, up, False), (up, down, True)):
+                threading.Thread(target=self._pump, args=(src, dst, to_b), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, to_b: bool) -> None:
         try:
             while data := src.recv(1 << 16):
                 dst.sendall(data)
+                if to_b and self.armed is not None:  # b has its command: nothing to it in flight
+                    refuse_s, self.armed = self.armed, None
+                    self.cut(refuse_s)
+                    self.delivered.set()
         except OSError:
             pass
         finally:
@@ -111,6 +115,18 @@ class Relay:
                     s.shutdown(socket.SHUT_RDWR)
                 s.close()
             self.open = []
+
+    def cut_after_next(self, refuse_s: float, timeout_s: float) -> None:
+        """Cut as soon as the next chunk from the coordinator has reached b.
+
+        The command of the round just begun is then b's, and b's answer comes
+        only after it ran the round: no command or answer is inside the
+        connection the cut drops (one that is would be lost with it: ZeroMQ's
+        commands carry no acknowledgement; `docs/training.md`).
+        """
+        self.delivered.clear()
+        self.armed = refuse_s
+        assert self.delivered.wait(timeout_s), "nothing reached b to cut after"
 
     def close(self) -> None:
         self.stopped.set()
@@ -143,10 +159,7 @@ def _run(
         cluster.start_coordinator(job_spec(jid, rounds=ROUNDS, replicate_every=1), PLAN)
         for i, refuse_s in enumerate(cuts):
             cluster.wait_round(store, jid, 2 * (i + 1))
-            # mid-round, when no command is on its way: one the relay holds when it drops
-            # the connection is lost with it (ZeroMQ's commands carry no acknowledgement)
-            time.sleep(MID_ROUND_S)
-            relay.cut(refuse_s)
+            relay.cut_after_next(refuse_s, cluster.budget.left(30))
         code = cluster.wait("coordinator", cluster.budget.left(200))
         assert code == ExitCode.OK, cluster.log_tail("coordinator", 60)
         # b, lost behind a long cut, may still be refused when the job ends and never hear

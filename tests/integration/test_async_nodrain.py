@@ -13,7 +13,7 @@ restarted coordinator goes on from its last committed round, another drain point
 from __future__ import annotations
 
 import signal
-import time
+from typing import Any
 
 import pytest
 
@@ -37,6 +37,19 @@ BATCH = 32
 DEPTH4 = [stage(0, 2, "a"), stage(2, 4, "b"), stage(4, 6, "c"), stage(6, 7, "d")]
 DRAINED_GAP = 1e-4
 """How far the stream must be from a pipeline drained at every window (weights, max-abs)."""
+
+
+def _job(jid: str, rounds: int, **extra: Any) -> dict[str, Any]:
+    """An async job of these tests (seed 7, plain SGD), with `extra` fields."""
+    return {
+        "job_id": jid,
+        "model": MODEL,
+        "seed": 7,
+        "rounds": rounds,
+        "optimizer": SGD,
+        "mode": "async",
+        **extra,
+    }
 
 
 @pytest.mark.parametrize(("m", "every", "evaluate"), [(4, 0, True), (8, 3, False)])
@@ -87,20 +100,10 @@ def test_a_depth_four_stream_equals_its_replay(
 def test_a_recovered_stream_equals_its_replay_with_the_recovery_as_drain_point(
     tmp_path, redis_url, cluster_name, budget
 ):
-    """c dies mid-window 2; the survivors and c's replica restart the stream at round 2."""
+    """c dies mid-window 2; the survivors and c's replica restart the stream where it holds."""
     m, rounds = 4, 4
     plan = {"global_batch": BATCH, "microbatches": m, "stages": DEPTH4}
-    job = {
-        "job_id": "nodrain-ft",
-        "model": MODEL,
-        "seed": 7,
-        "rounds": rounds,
-        "optimizer": SGD,
-        "mode": "async",
-        "aggregate_every": 2,
-        "elastic": False,
-        "adapt": False,
-    }
+    job = _job("nodrain-ft", rounds, aggregate_every=2, elastic=False, adapt=False)
     cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
     store = Store(redis_url, cluster_name)
     try:
@@ -120,7 +123,9 @@ def test_a_recovered_stream_equals_its_replay_with_the_recovery_as_drain_point(
         cluster.close()
         store.close()
     drain = event["from_round"]
-    assert drain == 2 and event["source"] == "replicas", event
+    # c's replica of round 2 leaves as the round starts: if c dies before its backup has it,
+    # the survivors roll back to round 1's replicas and replay round 1 (the ledger's rollback)
+    assert drain in (1, 2) and event["source"] == "replicas", event
     k_before = Plan.model_validate(plan).warmup(0)
     k_after = min(2 * len(event["stages"]) - 1, m)
     k0s = [k_before] * drain + [k_after] * (rounds - drain)
@@ -140,25 +145,14 @@ def test_a_resumed_stream_equals_its_replay_with_the_resume_as_drain_point(
     """The coordinator is killed mid-job and resumed: the workers restart the stream there."""
     m, rounds = 4, 8
     plan = {"global_batch": BATCH, "microbatches": m, "stages": DEPTH4}
-    job = {
-        "job_id": "nodrain-resume",
-        "model": MODEL,
-        "seed": 7,
-        "rounds": rounds,
-        "optimizer": SGD,
-        "mode": "async",
-        "checkpoint_every": 0,
-    }
+    job = _job("nodrain-resume", rounds, checkpoint_every=0)
     cluster = LocalCluster(tmp_path, redis_url, cluster_name, budget=budget)
     try:
         for name in ("a", "b", "c", "d"):
             cluster.spawn(name, ["-m", "services.worker.main", "--device", name])
             cluster.workers.append(name)
         cluster.start_coordinator(job, plan)
-        deadline = time.monotonic() + budget.left(120)
-        while int(store.get_fields("job", "nodrain-resume").get("round", 0)) < 3:
-            assert time.monotonic() < deadline, cluster.log_tail("coordinator")
-            time.sleep(0.01)
+        cluster.wait_round(store, "nodrain-resume", 3)
         cluster.procs["coordinator"].send_signal(signal.SIGKILL)
         cluster.procs["coordinator"].wait(timeout=10)
         cluster.start_coordinator(job, plan, name="again", resume=True)

@@ -123,11 +123,15 @@ def test_an_async_pipeline_recovers_a_lost_stage_and_replays_its_window(
     finally:
         cluster.close()
         store.close()
-    assert event["from_round"] == 2 and event["source"] == "replicas", event
+    # b's replica of round 2 leaves as the round starts: if b dies before its backup has it,
+    # the survivors roll back to round 1's replicas and replay round 1
+    drain = event["from_round"]
+    assert drain in (1, 2) and event["source"] == "replicas", event
     k_before = Plan.model_validate(plan).warmup(0)
     k_after = min(2 * len(event["stages"]) - 1, M)
+    k0s = [k_before] * drain + [k_after] * (4 - drain)
     ref, ref_losses = reference_train_async(
-        MODEL, 7, BATCH, M, [k_before] * 2 + [k_after] * 2, 4, SGD, aggregate_every=4, drains=(0, 2)
+        MODEL, 7, BATCH, M, k0s, 4, SGD, aggregate_every=4, drains=(0, drain)
     )
     assert_matches_reference(weights, ref)
-    assert_losses_match(losses[:2] + losses[-2:], ref_losses)
+    assert_losses_match(losses[:drain] + losses[-(4 - drain) :], ref_losses)

@@ -195,13 +195,14 @@ def _finish(
         "tokens_out": len(tokens),
     }
     done = {k: v for k, v in metrics.items() if k in ("request", "tokens_in", "tokens_out")}
+    # recorded before the answer leaves: a client holding its answer finds the recovery
+    serve, recovery = recovered(replace(serve, running=None), now)
     commands: list[Command] = [
         AppendMetrics(f"metrics of request {n}", metrics),
+        *recovery,
         Answer(req.peer, reply),
         Log("info", "request answered", {**done, "latency_s": round(latency, 4)}),
     ]
-    serve, after = recovered(replace(serve, running=None), now)
-    commands += after
     if serve.cancel is not None:
         serve, more = end(serve, "cancelled", serve.cancel)
     elif take_next:

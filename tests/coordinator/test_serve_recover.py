@@ -13,7 +13,7 @@ from common.messages import WorkerError
 from common.serving_messages import LoadShard, ProfileBlocks, RunInference, ShardLoaded
 from services.coordinator.core import Log, Reply, SendProbe
 from services.coordinator.job_state import Send, SetAssigned
-from services.coordinator.serve_state import AppendMetrics
+from services.coordinator.serve_state import Answer, AppendMetrics
 from tests.coordinator.test_serve_core import (
     EPOCH,
     Script,
@@ -83,6 +83,12 @@ def test_a_device_lost_mid_generation_is_planned_around_and_the_request_finishes
     # last heard at 1.0, declared lost at 5.5, answered at 7.0
     assert recovery[0]["lost"] == [lost]
     assert (recovery[0]["recovery_s"], recovery[0]["detect_s"]) == (6.0, 4.5)
+    # recorded before the answer leaves: a client holding its answer finds the recovery
+    recorded = next(
+        i for i, c in enumerate(out) if isinstance(c, AppendMetrics) and "recovery_s" in c.entry
+    )
+    answered = next(i for i, c in enumerate(out) if isinstance(c, Answer))
+    assert recorded < answered
     assert s.serve.recovery is None
     # bob's request, which waited meanwhile, runs next on the survivors
     nxt = sent(RunInference, out)

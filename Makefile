@@ -94,7 +94,7 @@ gpu-check:  ## on a machine with a CUDA GPU: the cuda-marked tests, then its pro
 bench-fl-homes:  ## Eco-FL, FedAvg, FedAsync, FedAT, Astraea with real homes on the edge testbed (root)
 	$(BIN)/python -m tests.bench.bench_fl_homes --out bench-results/fl-homes
 
-bench-async:  ## async (no drain) against sync on the edge testbed (root): M 4/16/64 (light layers) and 4/16 (heavy CIFAR-size layers) with the predicted gain, a throttled heterogeneous pipeline with the dynamic partition, accuracy against wall clock
+bench-async:  ## async (no drain) against sync on the edge testbed (root): M 4/16/64 (light layers), 4/16 (heavy CIFAR-size layers; mobilenet_v2 on balanced stages) with the predicted gain, a throttled heterogeneous pipeline with the dynamic partition, accuracy against wall clock
 	$(BIN)/python -m tests.bench.bench_async --out bench-results/async
 
 bench-duanwu:  ## Duan & Wu's planner: Algorithm 2 vs brute-force grouping, beta split vs plain pipelining (predicted)

@@ -26,8 +26,8 @@ from tests.bench.async_jobs import (
     HETERO_MODEL,
     HETERO_WINDOW,
     MICRO,
+    cuts_by_speed,
     hetero_configs,
-    hetero_cuts,
     job_for,
     plan_of,
 )
@@ -38,25 +38,30 @@ PROFILE_KEY_DEVICE = "bench-host"
 """The fingerprint the host's profile is stored under."""
 
 
-def host_profile() -> Any:
-    """`HETERO_MODEL` profiled on this process at the micro-batch size (one thread)."""
+def host_profile(model: Mapping[str, Any] = HETERO_MODEL) -> Any:
+    """`model` profiled on this process at the micro-batch size (one thread)."""
     import torch
 
     from common.zoo import ModelSpec
     from services.profiler.layers import profile_model
 
     torch.set_num_threads(1)
-    spec = ModelSpec.model_validate(HETERO_MODEL)
+    spec = ModelSpec.model_validate(dict(model))
     return profile_model(spec, [MICRO], repeats=5, warmup=2, device=PROFILE_KEY_DEVICE)
 
 
 def extras_for(
-    profile: Any, cpus: Mapping[str, float], memory: Mapping[str, int], throttle: Throttle | None
+    profile: Any,
+    cpus: Mapping[str, float],
+    memory: Mapping[str, int],
+    throttle: Throttle | None,
+    devices: Sequence[str] = HETERO_DEVICES,
 ) -> tuple[Extras, list[int]]:
     """The cluster a plan for these quotas is made for, and that plan's partition points.
 
     A device's slowdown is one over its quota in cores (the host profile ran on
-    one whole core); the points balance the profiled layer costs by speed.
+    one whole core); the points balance the profiled layer costs by speed, stages
+    on `devices` in order.
     """
     from common.profile import ClusterSpec, DeviceSpec
     from services.coordinator.recovery import capacities
@@ -71,12 +76,12 @@ def extras_for(
                 profile=key,
                 slowdown=1.0 / min(1.0, cpus.get(d, 1.0)),
             )
-            for d in HETERO_DEVICES
+            for d in devices
         ],
         bandwidth=125e6,
     )
-    costs, speeds = capacities(cluster, {key: profile}, MICRO * HETERO_WINDOW)
-    cuts = hetero_cuts(costs, {str(d): s for d, s in speeds.items()})
+    costs, speeds = capacities(cluster, {key: profile}, MICRO)
+    cuts = cuts_by_speed(costs, {str(d): s for d, s in speeds.items()}, devices)
     return Extras(cluster, profile, throttle), cuts
 
 

@@ -64,6 +64,20 @@ a micro-batch (three input channels at 32x32: the slowest layer per operation), 
 conv 6.5 ms on the TX2; with the two swapped, the second conv on a Nano took 20-33 ms and
 sync ran at 210 samples/s instead of 270-330."""
 
+BALANCED_MODEL: dict[str, Any] = {
+    "name": "mobilenet_v2",
+    "num_classes": 10,
+    "options": {"width_mult": 0.5},
+}
+"""Part 1's balanced set: 20 layers of convolutions (about 0.7 M parameters, some 100-200 ms
+of forward and backward per micro-batch of 3x32x32 on one host core), cut by cost so that
+every stage takes about as long on its device: sync's bubble is then fill and drain, not
+one slow stage, and each micro-batch's update (about a millisecond) is small against a
+stage's compute. PipeDream's and FTPipeHD's setting: more layers than stages, balanced."""
+BALANCED_LAYERS = 20
+BALANCED_DATA: dict[str, Any] = {"kind": "synthetic"}
+BALANCED_WINDOWS = (4, 16)
+
 HETERO_MODEL: dict[str, Any] = {
     "name": "mlp",
     "num_classes": 10,
@@ -77,6 +91,8 @@ HETERO_WINDOW = 8
 HETERO_DEVICES = ("tx2-0", "nano-0", "nano-1", "nano-2")
 HETERO_CUT = 1 / 3
 """The throttled device keeps this share of its CPU quota (a thermal throttle)."""
+BALANCED_DEVICES = HETERO_DEVICES
+"""The balanced set's stage order: the TX2-like device, with the most work, first."""
 
 
 @dataclass(frozen=True)
@@ -149,17 +165,22 @@ def plan_of(devices: Sequence[str], cuts: Sequence[int], microbatches: int) -> d
     }
 
 
-def hetero_cuts(layer_costs: Sequence[float], speeds: Mapping[str, float]) -> list[int]:
-    """Part 2's partition points: `HETERO_DEVICES` in order, layers balanced by their speeds.
+def cuts_by_speed(
+    layer_costs: Sequence[float],
+    speeds: Mapping[str, float],
+    devices: Sequence[str] = HETERO_DEVICES,
+) -> list[int]:
+    """Partition points for single-device stages on `devices` in order, the layers
+    balanced by the devices' speeds.
 
-    The same split a re-partition makes (`survivors_plan`, by capacity), so that the
+    The same split a re-partition makes (`survivors_plan`, by capacity), so that a
     run starts on the plan the devices' profiles and quotas call for.
     """
     from common.ids import DeviceId
     from common.plan import Plan
     from services.coordinator.recovery import survivors_plan
 
-    even = Plan.model_validate(plan_for(HETERO_DEVICES, HETERO_WINDOW, HETERO_LAYERS))
+    even = Plan.model_validate(plan_for(devices, 1, len(layer_costs)))
     by_device = {DeviceId(d): s for d, s in speeds.items()}
     balanced = survivors_plan(even, set(), layer_costs, by_device)
     return [balanced.stages[0].start, *(st.end for st in balanced.stages)]

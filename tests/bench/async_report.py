@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from services.planner.async_gain import predict
-from tests.bench.async_jobs import ACC_WINDOW, HEAVY_MODEL, LR, MICRO, SEED, TARGET
+from tests.bench.async_jobs import (
+    ACC_WINDOW,
+    BALANCED_MODEL,
+    HEAVY_MODEL,
+    LR,
+    MICRO,
+    SEED,
+    TARGET,
+)
 from tests.bench.async_runs import THROUGHPUT_SETS, Run, stage_costs, time_to
 
 TOLERANCE = 0.15
@@ -162,6 +170,9 @@ def write_outputs(out: Path, header: dict[str, Any], runs: Sequence[Run]) -> Non
         f"- part 1, heavy layers: fl_cnn at CIFAR's size ({HEAVY_MODEL['options']}) on "
         f"synthetic images, plan {header.get('heavy_plan', '')}; same micro-batch, seed and "
         "optimizer",
+        f"- part 1, balanced: mobilenet_v2 ({BALANCED_MODEL['options']}) on synthetic "
+        f"images, plan {header.get('balanced_plan', '')} (layers balanced by the host's "
+        "profile over each device's quota)",
         f"- parts 1 and 3: fl_cnn on digits (held-out split), seed {SEED}, micro-batch {MICRO}, "
         f"sgd lr {LR:g} momentum 0 in every compared mode (an `lr x{ACC_WINDOW}` row, if any, "
         "is a reference: sync at the step M async updates add up to); part 2: an 8-layer mlp "
@@ -212,12 +223,12 @@ def plot_throughput(path: Path, runs: Sequence[Run]) -> None:
     for x, r in zip(xs, rows, strict=True):
         if r["sync"] and r["predicted_ratio"]:
             ax.plot([x + 0.2], [r["sync"] * r["predicted_ratio"]], "k_", markersize=18)
-    names = {"throughput": "light", "heavy": "heavy"}
+    names = {"throughput": "light", "heavy": "heavy", "balanced": "balanced"}
     ax.set_xticks(
         list(xs), [f"{names.get(r['set'], r['set'])}\nM={r['microbatches']}" for r in rows]
     )
     ax.set_ylabel("samples/s (median; -: predicted async)")
-    ax.set_title("same plan, same micro-batch (env-d, 4 stages); fl_cnn light / heavy layers")
+    ax.set_title("same plan in both modes (env-d, 4 stages): fl_cnn light / heavy, mobilenet_v2")
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.planner.async_gain import StageCost
-from tests.bench.async_jobs import DATA, LR, MODEL, Config, job_for, plan_for
+from tests.bench.async_jobs import DATA, LR, MODEL, Config, job_for, plan_for, plan_of
 from tests.bench.async_runners import Extras, Outcome
 from tests.bench.recovery_jobs import stages_text
 
@@ -75,10 +75,12 @@ class Runner(Protocol):
 THROUGHPUT_SETS = {
     "throughput": "fl_cnn, 8x8 digits (light layers)",
     "heavy": "fl_cnn, 3x32x32 synthetic images (heavy layers)",
+    "balanced": "mobilenet_v2 x0.5, 3x32x32 synthetic images (stages balanced by cost)",
 }
-"""Part 1's sets of rows by their runs' `part`: the same plan, micro-batch and windows'
-meaning, a model whose layers are light (their update is not small against their
-compute) and one whose layers are heavy against their parameters."""
+"""Part 1's sets of rows by their runs' `part`, at the same micro-batch and windows'
+meaning: on one plan of one layer per stage, a model whose layers are light (their
+update is not small against their compute) and one whose layers are heavy against their
+parameters; then a deeper model cut so that the stages take about as long."""
 
 
 # --- metrics -> numbers ----------------------------------------------------------
@@ -212,10 +214,12 @@ def throughput_part(
     part: str = "throughput",
     model: Mapping[str, Any] = MODEL,
     data: Mapping[str, Any] = DATA,
+    cuts: Sequence[int] | None = None,
 ) -> list[Run]:
     """Part 1: every configuration `reps` times, interleaved (rep 0 of each, then rep 1...).
 
-    `part` names the set of rows (`THROUGHPUT_SETS`) that trains `model` on `data`.
+    `part` names the set of rows (`THROUGHPUT_SETS`) that trains `model` on `data`,
+    stage i on `devices[i]` with layers [cuts[i], cuts[i+1]) (one layer each by default).
     """
     from tests.bench.async_jobs import throughput_configs
 
@@ -225,7 +229,10 @@ def throughput_part(
             if past():
                 continue
             job = job_for(cfg, "tput", rounds, model=model, data=data)
-            plan = plan_for(devices, cfg.microbatches)
+            if cuts is None:
+                plan = plan_for(devices, cfg.microbatches)
+            else:
+                plan = plan_of(devices, cuts, cfg.microbatches)
             runs.append(run_one(runner, part, cfg, rep, job, plan)[0])
             save(runs)
     return runs

@@ -25,6 +25,11 @@ async/sync ratio: the ratio
 `services.planner.async_gain` predicts from the same runs' stage timings, and
 sync's predicted bubble.
 
+Then a balanced set (`async_jobs.BALANCED_MODEL`: mobilenet_v2 at half width on 3x32x32,
+20 layers cut so that each stage takes about as long on its device, by the host's
+profile over each device's quota) at 4 and 16, `--heavy-reps` times: sync's bubble is
+then fill and drain rather than one slow stage, PipeDream's and FTPipeHD's setting.
+
 Part 2, a heterogeneous pipeline with the dynamic partition on (`async_hetero`):
 sync, then async, on a plan balanced for the devices' speeds, the device with
 the most layers throttled to a third mid-run; samples/s before, throttled and after
@@ -57,6 +62,10 @@ from typing import Any
 from tests.bench.async_hetero import extras_for, hetero_part, host_profile, throttle_for
 from tests.bench.async_jobs import (
     ACC_WINDOW,
+    BALANCED_DATA,
+    BALANCED_DEVICES,
+    BALANCED_MODEL,
+    BALANCED_WINDOWS,
     EVAL_EVERY,
     HEAVY_DATA,
     HEAVY_MODEL,
@@ -89,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results/async"))
     parser.add_argument("--reps", type=int, default=1, help="repetitions of a light-layer run")
-    parser.add_argument("--heavy-reps", type=int, default=2, help="repetitions of a heavy run")
+    parser.add_argument(
+        "--heavy-reps", type=int, default=2, help="repetitions of a heavy or balanced run"
+    )
     parser.add_argument("--rounds", type=int, default=8, help="rounds of a throughput run")
     parser.add_argument("--hetero-rounds", type=int, default=50, help="rounds of a part 2 run")
     parser.add_argument("--acc-rounds", type=int, default=40, help="rounds of an accuracy run")
@@ -98,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     parser.add_argument(
-        "--quick", action="store_true", help="one rep, fewer rounds, M 4 and 16, heavy M 4"
+        "--quick",
+        action="store_true",
+        help="one rep, fewer rounds, M 4 and 16, heavy and balanced M 4",
     )
     parser.add_argument("--deadline", default="", help="UTC HH:MM: start no run after it")
     args = parser.parse_args(argv)
@@ -108,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     windows = WINDOWS[:2] if args.quick else WINDOWS
     heavy_windows = HEAVY_WINDOWS[:1] if args.quick else HEAVY_WINDOWS
+    balanced_windows = BALANCED_WINDOWS[:1] if args.quick else BALANCED_WINDOWS
     if args.quick:
         args.reps, args.heavy_reps = 1, 1
         args.rounds, args.hetero_rounds, args.acc_rounds = 5, 20, 20
@@ -135,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     profile = host_profile()
+    balanced_profile = host_profile(BALANCED_MODEL)
     with testbed_runner(args.out) as (runner, spec):
         header["testbed"] = (
             ", ".join(
@@ -163,6 +178,23 @@ def main(argv: list[str] | None = None) -> int:
         )
         cpus = {d.name: d.cpu for d in spec.devices}
         memory = {d.name: d.memory_bytes for d in spec.devices}
+        _, balanced = extras_for(balanced_profile, cpus, memory, None, BALANCED_DEVICES)
+        header["balanced_plan"] = " | ".join(
+            f"layers {balanced[i]}-{balanced[i + 1]}: {d}" for i, d in enumerate(BALANCED_DEVICES)
+        )
+        runs += throughput_part(
+            runner,
+            BALANCED_DEVICES,
+            args.rounds,
+            args.heavy_reps,
+            past,
+            save,
+            throughput_configs(balanced_windows, "balanced "),
+            part="balanced",
+            model=BALANCED_MODEL,
+            data=BALANCED_DATA,
+            cuts=balanced,
+        )
         extras, cuts = extras_for(profile, cpus, memory, None)
         throttle = throttle_for(cpus, cuts, THROTTLE_AT)
         extras = replace(extras, throttle=throttle)

@@ -99,6 +99,23 @@ def test_the_heavy_set_is_the_same_pipeline_with_heavier_layers() -> None:
     assert macs_per_param(heavy, 1) > 10 * macs_per_param(light, 1)
 
 
+def test_the_balanced_set_cuts_a_deeper_model_so_that_its_stages_take_about_as_long() -> None:
+    """Stage time on its device (the host's profile over the device's quota): the spread
+    between stages is far below the one-layer-per-stage plans', where one stage dominates."""
+    profile = host_profile(aj.BALANCED_MODEL)
+    assert len(profile.layers) == aj.BALANCED_LAYERS
+    cpus = {"tx2-0": 0.5, "nano-0": 0.177, "nano-1": 0.177, "nano-2": 0.177}
+    _, cuts = extras_for(profile, cpus, {}, None, aj.BALANCED_DEVICES)
+    assert cuts[0] == 0 and cuts[-1] == aj.BALANCED_LAYERS and cuts == sorted(set(cuts))
+    layer = [profile.time(i, aj.MICRO, "F") + profile.time(i, aj.MICRO, "B") for i in range(20)]
+    stage = [
+        sum(layer[a:b]) / cpus[d]
+        for (a, b), d in zip(itertools.pairwise(cuts), aj.BALANCED_DEVICES, strict=True)
+    ]
+    assert max(stage) < 1.6 * min(stage)
+    assert aj.BALANCED_DEVICES[0] == "tx2-0" and cuts[1] - cuts[0] >= 2
+
+
 def test_the_report_predicts_from_the_runs_own_timings() -> None:
     t = {"forward_s": 0.4, "backward_s": 0.8, "step_s": 0.1}
     runs = [
@@ -173,8 +190,8 @@ def test_a_tiny_run_writes_every_output(tmp_path: Path, redis_url: str) -> None:
         assert row["microbatches"] == 4 and row["sync"] > 0 and row["async"] > 0
         assert row["predicted_ratio"] > 0 and 0 < row["sync_bubble"] < 1
     table = (tmp_path / "out" / "table.md").read_text()
-    for name in ars.THROUGHPUT_SETS.values():
-        assert f"| {name} | 4 |" in table
+    for part in ("throughput", "heavy"):
+        assert f"| {ars.THROUGHPUT_SETS[part]} | 4 |" in table
     assert "async+agg" in table
 
 
